@@ -1,0 +1,114 @@
+"""`harness <command> [key=value ...]`: dispatch, one-line errors, exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from harness import __version__
+from harness.cli.config import ConfigError, compose, engine_name, run_spec
+from harness.specs import InvalidSpec
+
+USAGE = f"""harness {__version__}: which 4D-parallel training configuration fits in memory, and which runs fastest.
+
+usage: harness <command> [key=value ...]      (or: python -m harness <command> ...)
+
+commands:
+  estimate   analytical per-rank memory and FLOPs of one configuration, term by term, with a verdict
+  plan       every valid layout for plan.gpus devices, the ones that fit ranked, with predicted memory
+
+overrides are Hydra's: group=preset (model=llama3_8b device=h100_94gb engine=paper) and dotted keys
+(parallel.tp=2 train.seq_len=8192 format=json). See sweeps/config.yaml for every key.
+"""
+
+
+def _output_settings(cfg: dict) -> tuple[str, float]:
+    """``format`` and ``threshold``, checked."""
+    fmt = cfg["format"]
+    if fmt not in ("table", "json"):
+        raise ValueError(f"format={fmt!r} must be table or json")
+    try:
+        threshold = float(cfg["threshold"])
+    except (TypeError, ValueError):
+        raise ValueError(f"threshold={cfg['threshold']!r} must be a number") from None
+    if not 0 < threshold:
+        raise ValueError(f"threshold={threshold} must be > 0 (a fraction of device memory, e.g. 0.8)")
+    return fmt, threshold
+
+
+def _estimate(overrides: Sequence[str]) -> int:
+    from harness.cli.render import estimate_table
+    from harness.estimate import estimate
+
+    cfg = compose(overrides)
+    fmt, threshold = _output_settings(cfg)
+    est = estimate(run_spec(cfg), engine=engine_name(cfg))
+    if fmt == "json":
+        print(json.dumps(est.as_record(threshold=threshold), indent=2))
+    else:
+        print(estimate_table(est, threshold=threshold))
+    return 0
+
+
+def _plan(overrides: Sequence[str]) -> int:
+    from harness.cli.render import plan_json, plan_table
+    from harness.estimate.plan import PlanOptions, plan
+
+    cfg = compose(overrides)
+    fmt, threshold = _output_settings(cfg)
+    p = cfg["plan"]
+    opts = PlanOptions(
+        gpus=int(p["gpus"]),
+        global_batch_size=p["global_batch_size"],
+        micro_batch_sizes=tuple(p["micro_batch_sizes"]),
+        zero_stages=tuple(p["zero_stages"]),
+        recompute=tuple(p["recompute"]),
+        pp_schedules=tuple(p["pp_schedules"]),
+        virtual_stages=tuple(p["virtual_stages"]),
+        max_tp=int(p["max_tp"]),
+        threshold=threshold,
+        engine=engine_name(cfg),
+    )
+    result = plan(run_spec(cfg), opts)
+    if fmt == "json":
+        print(json.dumps(plan_json(result, opts), indent=2))
+    else:
+        print(plan_table(result, opts, top=int(p["top"])))
+    return 0
+
+
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"estimate": _estimate, "plan": _plan}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if args else 2
+    if args[0] == "--version":
+        print(__version__)
+        return 0
+    command, overrides = args[0], args[1:]
+    if command not in COMMANDS:
+        print(f"harness: unknown command {command!r} (commands: {', '.join(COMMANDS)})", file=sys.stderr)
+        return 2
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        print(f"harness {command}: error: override {bad[0]!r} is not key=value", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[command](overrides)
+    except BrokenPipeError:
+        # `harness plan ... | head`: the reader left; say nothing more.
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keeps Python's exit flush quiet
+        return 0
+    except (ConfigError, InvalidSpec, ValueError) as exc:
+        # Bad input is one line that says what is wrong, never a traceback.
+        print(f"harness {command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

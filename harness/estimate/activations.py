@@ -1,0 +1,149 @@
+"""Activation memory: per layer, per pipeline stage with in-flight micro-batches, and the stage's ends.
+
+ESTIMATOR.md §3. Sizes are per micro-batch of b sequences of s tokens, on one rank, in bytes; e is
+the compute dtype's element size (2 for BF16, 4 for FP32). Stored per Llama layer, in elements, before
+any sharding (Korthikanti et al. 2022, arXiv 2205.05198, §4, adapted: no dropout, GQA, SwiGLU):
+
+  two RMSNorm inputs            2·sbh
+  attention input (QKV input)     sbh
+  Q and attention output        2·sbh
+  K and V                       2·sbh·k/a
+  MLP input                       sbh
+  gate, up, silu(gate), product 4·sbf
+  scores + softmax (math only)  2·a·s²·b
+
+which at e = 2 is the ESTIMATOR's s·b·h·(12 + 4k/a + 8f/h) (Llama-3-8B: 41.0) plus 4as²b. Worked
+example, model ``tiny`` (h 128, a 4, k 2, f 352), s 256, b 2, BF16, t = c = 1: sbh = 65,536 elements;
+norms 131,072 + input 65,536 + Q/out 131,072 + K/V 65,536 + MLP input 65,536 + 4·sbf 720,896
+= 1,179,648 elements = 2,359,296 B (= sbh·e·(12 + 4·0.5 + 8·2.75)/2 = 65,536·2·18).
+
+Sharding by tensor (t) and context (c) parallelism:
+- megatron, SP: every part / (t·c) (Korthikanti Table 2, "tensor + sequence parallel").
+- megatron, no SP: norm, attention and MLP inputs / c only, the rest / (t·c) (Table 2, Llama form of
+  sbh(10 + 24/t): sbh·(8 + (4 + 4k/a + 8f/h)/t) bytes at e = 2).
+- torch: the runner's DTensor plan (torchtitan's) all-gathers the sequence-sharded input before the
+  column-parallel projections and autograd saves that full tensor, so attention and MLP inputs are
+  / c only even with SP; its all-gather-KV context parallelism saves the gathered, full-sequence K and
+  V, so K and V are / t only.
+- Scores (math attention): (s/c)·s per head, a/t heads.
+"""
+
+from __future__ import annotations
+
+from harness.specs import ModelSpec, ParallelSpec, TrainSpec
+
+
+def elem_bytes(precision: str) -> int:
+    """Bytes per activation element in the compute dtype."""
+    return 2 if precision == "bf16" else 4
+
+
+def layer_activation_bytes(
+    m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, engine: str, recompute: str | None = None
+) -> int:
+    """Bytes one layer keeps for backward for one micro-batch on one rank (before recomputation, unless
+    ``recompute`` is given: "selective" drops the score matrices — Korthikanti's selective recomputation
+    of the attention core, which with flash attention saves only its tiny log-sum-exp, left out here)."""
+    recompute = t.recompute if recompute is None else recompute
+    s, b, h, f = t.seq_len, t.micro_batch_size, m.hidden_size, m.ffn_hidden_size
+    sbh = s * b * h
+    tc = p.tp * p.cp
+    sp = p.sequence_parallel and p.tp > 1
+    norm = 2 * sbh // (tc if sp else p.cp)
+    inputs_div = tc if (sp and engine == "megatron") else p.cp
+    inputs = 2 * sbh // inputs_div  # attention input + MLP input
+    q_out = 2 * sbh // tc
+    kv_elems = 2 * sbh // m.num_heads * m.num_kv_heads
+    kv = kv_elems // (p.tp if engine == "torch" else tc)
+    mlp = 4 * s * b * f // tc
+    scores = 0
+    if t.attention == "math" and recompute == "none":
+        scores = 2 * m.num_heads * s * s * b // tc
+    return elem_bytes(t.precision) * (norm + inputs + q_out + kv + mlp + scores)
+
+
+def layer_input_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
+    """A layer's input (the residual stream), all that full recomputation keeps per layer: sequence-
+    sharded by t under SP, by c always."""
+    sbh = t.seq_len * t.micro_batch_size * m.hidden_size
+    div = p.cp * (p.tp if (p.sequence_parallel and p.tp > 1) else 1)
+    return elem_bytes(t.precision) * sbh // div
+
+
+def inflight_chunks(p: ParallelSpec, t: TrainSpec, *, stage: int) -> int:
+    """Model chunks (of L/(pp·v) layers) whose activations ``stage`` holds at its peak.
+
+    - pp = 1: one micro-batch at a time (gradient accumulation runs them in sequence).
+    - GPipe: all m micro-batches' forwards run before any backward.
+    - 1F1B: stage i holds min(pp − i, m) (Narayanan et al. 2021, arXiv 2104.04473, §2.2; Megatron's
+      ``num_warmup_microbatches = pp − i − 1`` plus the one in flight).
+    - Interleaved 1F1B with v chunks per rank: Megatron's warm-up ``2·(pp − i − 1) + (v − 1)·pp`` plus
+      one, capped at m·v; on stage 0 that is L·(1 + (pp − 1)/(pp·v)) layers' worth, Korthikanti's factor.
+    """
+    pp, m, v = p.pp, t.num_microbatches, p.virtual_stages
+    if pp == 1:
+        return 1
+    if p.pp_schedule == "gpipe":
+        return m
+    if p.pp_schedule == "interleaved_1f1b":
+        return min(2 * (pp - stage - 1) + (v - 1) * pp + 1, m * v)
+    return min(pp - stage, m)
+
+
+def stage_layer_activations(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: str) -> int:
+    """The activations of all layers ``stage`` holds at its peak, with recomputation applied.
+
+    Full recomputation keeps each in-flight layer's input and, while one layer is recomputed in
+    backward, that layer's full activations once (Korthikanti §4.2: 2sbhL/t plus one layer).
+    """
+    layers_per_chunk = m.num_layers // (p.pp * p.virtual_stages)
+    layers = inflight_chunks(p, t, stage=stage) * layers_per_chunk
+    if t.recompute == "full":
+        full_layer = layer_activation_bytes(m, p, t, engine=engine, recompute="none")
+        return layers * layer_input_bytes(m, p, t) + full_layer
+    return layers * layer_activation_bytes(m, p, t, engine=engine)
+
+
+def _last_stage_inflight(p: ParallelSpec, t: TrainSpec) -> int:
+    """Micro-batches whose output layer and logits the last stage holds at once."""
+    return t.num_microbatches if (p.pp > 1 and p.pp_schedule == "gpipe") else 1
+
+
+def token_ids(p: ParallelSpec, t: TrainSpec, *, stage: int, engine: str) -> int:
+    """int64 token ids (and targets), 8·s·b bytes per micro-batch, sequence-split by c.
+
+    megatron: the in-flight micro-batches' ids on stage 0 (the paper's ``8p`` term). torch: the runner
+    materialises the whole step's ids on stage 0 and the targets on the last stage (m micro-batches).
+    """
+    per_mb = 8 * t.seq_len * t.micro_batch_size // p.cp
+    last = p.pp - 1
+    if engine == "torch":
+        return per_mb * t.num_microbatches * ((stage == 0) + (stage == last))
+    if stage != 0:
+        return 0
+    if p.pp == 1:
+        return per_mb
+    return per_mb * (t.num_microbatches if p.pp_schedule == "gpipe" else min(p.pp, t.num_microbatches))
+
+
+def output_activations(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: str) -> int:
+    """The last stage's final-norm input and LM-head input (Korthikanti's 4sbh/t at e = 2 with SP).
+
+    torch: the head's column-parallel plan all-gathers its input, which autograd saves, so that half is
+    / c only; without SP neither half is sharded by t.
+    """
+    if stage != p.pp - 1:
+        return 0
+    sbh = t.seq_len * t.micro_batch_size * m.hidden_size
+    sp = p.sequence_parallel and p.tp > 1
+    norm_in = sbh // (p.cp * (p.tp if sp else 1))
+    head_in = sbh // (p.cp * (p.tp if (sp and engine == "megatron") else 1))
+    return elem_bytes(t.precision) * (norm_in + head_in) * _last_stage_inflight(p, t)
+
+
+def logits(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int) -> int:
+    """The head's output in the compute dtype, vocabulary-sharded by t, kept until the loss's backward."""
+    if stage != p.pp - 1:
+        return 0
+    sbv = t.seq_len * t.micro_batch_size * m.vocab_size
+    return elem_bytes(t.precision) * sbv // (p.tp * p.cp) * _last_stage_inflight(p, t)

@@ -1,0 +1,99 @@
+"""Temporary buffers: named terms with analytic sizes, the part of the peak that calibration fits.
+
+ESTIMATOR.md §4. Each function returns the bytes of one kind of buffer alive at the rank's peak, so that
+a fit reads "coefficient × named term". Sizes are per rank; see each docstring for what is counted.
+"""
+
+from __future__ import annotations
+
+from harness.estimate.activations import elem_bytes
+from harness.estimate.params import layer_params, non_layer_params
+from harness.specs import ModelSpec, ParallelSpec, TrainSpec
+
+
+def fsdp_allgather(m: ModelSpec, *, stage: int, pp: int, tp: int, zero_stage: int, precision: str) -> int:
+    """ZeRO-3 all-gather outputs: the current and the prefetched layer unsharded in the compute dtype,
+    plus the root's parameters (embedding, final norm, head), which FSDP2 does not reshard after the
+    root's forward because backward needs them at once."""
+    if zero_stage < 3:
+        return 0
+    compute_bytes = 2 if precision == "bf16" else 4
+    root = non_layer_params(m, stage=stage, pp=pp, tp=tp)
+    return compute_bytes * (2 * layer_params(m, tp=tp) + root)
+
+
+def grad_reduce(m: ModelSpec, *, tp: int, zero_stage: int, shards: int) -> int:
+    """ZeRO-2/3 reduce-scatter input: one layer's unsharded gradients in the FP32 reduce dtype."""
+    if zero_stage < 2 or shards == 1:
+        return 0
+    return 4 * layer_params(m, tp=tp)
+
+
+DDP_BUCKET_BYTES = 25 * 2**20  # torch.nn.parallel.DistributedDataParallel(bucket_cap_mb=25)
+
+
+def ddp_bucket(n: int, *, zero_stage: int, shards: int, engine: str) -> int:
+    """DDP's gradient bucket being all-reduced (25 MiB by default, at most the gradients' size).
+
+    The runner uses ``gradient_as_bucket_view=True``, so the buckets alias the gradients; what remains is
+    one bucket's collective work buffer. Megatron reduces its contiguous gradient buffer in place.
+    """
+    if engine != "torch" or zero_stage >= 2 or shards == 1:
+        return 0
+    return min(DDP_BUCKET_BYTES, 4 * n)
+
+
+def optimizer_step(n: int, *, zero_stage: int, shards: int, engine: str) -> int:
+    """A ``foreach`` AdamW step's intermediates: ``torch._foreach_sqrt(exp_avg_sq)`` allocates one FP32
+    tensor per parameter of the (local) group; the other updates are in place. Megatron's fused Adam
+    (apex/TE multi-tensor apply) allocates none. This happens after backward, when activations are gone,
+    so :mod:`harness.estimate.core` takes it as a max against the forward/backward terms, not a sum."""
+    if engine != "torch":
+        return 0
+    local = -(-n // shards) if zero_stage >= 1 else n
+    return 4 * local
+
+
+def tp_allgather(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
+    """Sequence parallelism's full-sequence buffer at a layer boundary (s·b·h/c in the compute dtype):
+    the re-gathered input in Megatron's backward, and the gradient of the gathered input before its
+    reduce-scatter in the runner's. Zero without tp > 1 and SP."""
+    if p.tp == 1 or not p.sequence_parallel:
+        return 0
+    return elem_bytes(t.precision) * t.seq_len * t.micro_batch_size * m.hidden_size // p.cp
+
+
+def pp_p2p(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: str) -> int:
+    """Pipeline receive buffers of one stage-boundary activation (s·b·h/(t·c) with SP, /c without).
+
+    torch: ``torch.distributed.pipelining`` allocates a forward receive buffer per micro-batch (all
+    stages but the first) and a gradient receive buffer per micro-batch (all but the last) at the start
+    of the step. megatron: one buffer per direction, reused.
+    """
+    if p.pp == 1:
+        return 0
+    sp = p.sequence_parallel and p.tp > 1
+    one = elem_bytes(t.precision) * t.seq_len * t.micro_batch_size * m.hidden_size // (
+        p.cp * (p.tp if sp else 1)
+    )
+    directions = (stage > 0) + (stage < p.pp - 1)
+    per_direction = t.num_microbatches * p.virtual_stages if engine == "torch" else 1
+    return one * directions * per_direction
+
+
+def cp_kv_allgather(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
+    """Context parallelism's gathered K and V of one layer (2·s·b·h·k/a/t in the compute dtype): the
+    forward's all-gather output in Megatron, their gradients before the reduce-scatter in the runner's
+    (whose forward copies are saved activations). Zero when cp = 1."""
+    if p.cp == 1:
+        return 0
+    kv_width = m.hidden_size // m.num_heads * m.num_kv_heads
+    return elem_bytes(t.precision) * 2 * t.seq_len * t.micro_batch_size * kv_width // p.tp
+
+
+def loss(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int) -> int:
+    """The cross-entropy's FP32 logits (upcast or softmax) and their FP32 gradient on the last stage:
+    2 × 4·s·b·v/(t·c) — often the single largest temporary."""
+    if stage != p.pp - 1:
+        return 0
+    return 2 * 4 * t.seq_len * t.micro_batch_size * m.vocab_size // (p.tp * p.cp)

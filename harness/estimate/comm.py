@@ -1,0 +1,93 @@
+"""Communication volume, pipeline bubble and a step-time proxy, for ranking layouts that fit.
+
+ESTIMATOR.md §8. Ring collectives move 2(n − 1)/n of the buffer for an all-reduce and (n − 1)/n for an
+all-gather or reduce-scatter over n ranks. Axes are laid out innermost first: tp, cp, pp, dp; a group
+whose ranks fit in one node uses the intra-node link, otherwise the inter-node one.
+
+The step time here is a *ranking proxy*, not a prediction: compute at the device's peak, the bubble
+added in full, and every collective serialised with compute (no overlap). It orders layouts by what
+they cost; the measured TFLOP/s of a sweep are the real figures.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from harness.estimate.activations import elem_bytes
+from harness.estimate.flops import hardware_flops_per_step, model_flops_per_step
+from harness.estimate.params import stage_params
+from harness.specs import RunSpec
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Per-device, per-step communication bytes by axis, the bubble fraction and the time proxy."""
+
+    tp_bytes: float
+    cp_bytes: float
+    dp_bytes: float
+    pp_bytes: float
+    bubble: float
+    compute_factor: float  # hardware over model FLOPs (recomputation) × (1 + bubble)
+    step_time_s: float  # NaN when the device has no peak or link bandwidths
+
+    @property
+    def comm_bytes(self) -> float:
+        return self.tp_bytes + self.cp_bytes + self.dp_bytes + self.pp_bytes
+
+
+def bubble_fraction(spec: RunSpec) -> float:
+    """Idle fraction of the pipeline relative to useful time: (p − 1)/m, divided by v when interleaved
+    (Narayanan et al. 2021, §2.2)."""
+    p = spec.parallel
+    if p.pp == 1:
+        return 0.0
+    return (p.pp - 1) / (spec.train.num_microbatches * p.virtual_stages)
+
+
+def cost(spec: RunSpec) -> Cost:
+    """Communication and bubble of a canonical spec, and its step-time proxy on ``spec.device``."""
+    m, p, t, dev = spec.model, spec.parallel, spec.train, spec.device
+    e = elem_bytes(t.precision)
+    mb = t.num_microbatches
+    layers = m.num_layers // p.pp
+    sbh = t.seq_len // p.cp * t.micro_batch_size * m.hidden_size
+    passes = 1.5 if t.recompute == "full" else 1.0  # recomputed forwards repeat their collectives
+    # Tensor parallel: two all-reduce-sized collectives forward and two backward per layer.
+    tp_bytes = layers * 4 * sbh * e * 2 * (p.tp - 1) / p.tp * mb * passes
+    # Context parallel: all-gather K and V forward, reduce-scatter their gradients backward.
+    kv = 2 * sbh * m.num_kv_heads / m.num_heads / p.tp * e
+    cp_bytes = layers * kv * (p.cp - 1) * 2 * mb * passes
+    # Data parallel over d·c ranks: gradient all-reduce (ZeRO 0/1), or FSDP's all-gathers and
+    # reduce-scatter (ZeRO-2: one all-gather; ZeRO-3: forward and backward all-gathers).
+    shards = p.dp * p.cp
+    n = stage_params(m, stage=0, pp=p.pp, tp=p.tp)
+    frac = (shards - 1) / shards
+    if p.zero_stage <= 1:
+        dp_bytes = 2 * frac * n * 4
+    else:
+        gathers = 1 if p.zero_stage == 2 else 2
+        dp_bytes = frac * n * (gathers * e + 4)
+    # Pipeline: one activation forward and one gradient backward per micro-batch and boundary.
+    sp = p.sequence_parallel and p.tp > 1
+    pp_bytes = 0.0 if p.pp == 1 else 2 * mb * p.virtual_stages * sbh * e / (p.tp if sp else 1)
+    bubble = bubble_fraction(spec)
+    hardware = hardware_flops_per_step(spec)
+    compute_factor = hardware / model_flops_per_step(spec) * (1 + bubble)
+
+    step = math.nan
+    if dev.peak_tflops and dev.intra_node_gbps and dev.inter_node_gbps:
+        def link(group_span: int) -> float:
+            gbps = dev.intra_node_gbps if group_span <= dev.gpus_per_node else dev.inter_node_gbps
+            return gbps * 1e9
+
+        compute = hardware / p.world / (dev.peak_tflops * 1e12) * (1 + bubble)
+        step = (
+            compute
+            + tp_bytes / link(p.tp)
+            + cp_bytes / link(p.tp * p.cp)
+            + pp_bytes / link(p.tp * p.cp * p.pp)
+            + dp_bytes / link(p.world)
+        )
+    return Cost(tp_bytes, cp_bytes, dp_bytes, pp_bytes, bubble, compute_factor, step)

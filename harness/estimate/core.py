@@ -1,0 +1,207 @@
+"""The one place that adds the terms up: per pipeline stage, then the most-loaded rank as an explicit max.
+
+A rank's peak (ESTIMATOR.md, STYLE.md 1 and 3):
+
+  total = states + max(forward/backward terms, optimizer-step terms)
+
+where states are ``params + grads + optimizer``, the forward/backward terms are every activation and
+temporary buffer alive at the end of the last forward / start of backward, and the optimizer step's
+intermediates come after backward has freed the activations. Engine `paper` is its closed form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from harness.estimate import activations as act
+from harness.estimate import buffers as buf
+from harness.estimate import states as st
+from harness.estimate.flops import model_flops_per_step
+from harness.estimate.params import stage_params
+from harness.estimate.paper import IGNORED_FIELDS, paper_terms
+from harness.specs import ModelSpec, ParallelSpec, RunSpec, TrainSpec, canonical, config_id
+
+ENGINES = ("paper", "megatron", "torch")
+STATE_TERMS = ("params", "grads", "optimizer")
+ACTIVATION_TERMS = ("activations", "token_ids", "output_activations", "logits")
+BUFFER_TERMS = (
+    "param_copies",
+    "fsdp_allgather",
+    "grad_reduce",
+    "ddp_bucket",
+    "tp_allgather",
+    "pp_p2p",
+    "cp_kv_allgather",
+    "loss",
+)
+STEP_TERMS = ("optimizer_step",)
+TERMS = STATE_TERMS + ACTIVATION_TERMS + BUFFER_TERMS + STEP_TERMS
+_FWD_BWD_TERMS = ACTIVATION_TERMS + BUFFER_TERMS
+FLOPS_CONVENTION = "megatron"
+
+
+def peak_bytes(terms: dict[str, int]) -> int:
+    """The one sum: states + max(forward/backward terms, optimizer-step terms)."""
+    get = terms.__getitem__
+    return sum(map(get, STATE_TERMS)) + max(sum(map(get, _FWD_BWD_TERMS)), sum(map(get, STEP_TERMS)))
+
+
+@dataclass(frozen=True)
+class StageEstimate:
+    """Bytes of every term on one rank of pipeline stage ``stage`` (all terms present, zeros included)."""
+
+    stage: int
+    terms: dict[str, int]
+    total_bytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "total_bytes", peak_bytes(self.terms))
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One configuration's estimate: every stage, the most-loaded one, FLOPs per step."""
+
+    spec: RunSpec
+    engine: str
+    stages: tuple[StageEstimate, ...]
+    flops_per_step: int
+    flops_convention: str = FLOPS_CONVENTION
+    notes: tuple[str, ...] = field(default=())
+    worst: StageEstimate = field(init=False)  # the most-loaded rank
+
+    def __post_init__(self) -> None:
+        # The explicit max over stages (max() keeps the first stage on ties).
+        object.__setattr__(self, "worst", max(self.stages, key=lambda s: s.total_bytes))
+
+    @property
+    def total_bytes(self) -> int:
+        return self.worst.total_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.spec.device.memory_bytes
+
+    @property
+    def utilisation(self) -> float:
+        """Predicted peak over the device's capacity."""
+        return self.total_bytes / self.capacity_bytes
+
+    def as_record(self, *, threshold: float | None = None) -> dict[str, Any]:
+        """Flat JSON-ready fields: ``<term>_bytes`` of the worst stage, totals, and every stage."""
+        worst = self.worst
+        out: dict[str, Any] = {
+            "config_id": config_id(self.spec),
+            "engine": self.engine,
+            "model": self.spec.model.name,
+            "device": self.spec.device.name,
+            "world_size": self.spec.parallel.world,
+            "worst_stage": worst.stage,
+        }
+        out.update({f"{k}_bytes": worst.terms[k] for k in TERMS})
+        out["states_bytes"] = sum(worst.terms[k] for k in STATE_TERMS)
+        out["temporaries_bytes"] = sum(worst.terms[k] for k in BUFFER_TERMS + STEP_TERMS)
+        out["total_bytes"] = self.total_bytes
+        out["capacity_bytes"] = self.capacity_bytes
+        out["utilisation"] = self.utilisation
+        if threshold is not None:
+            out["threshold"] = threshold
+            out["fits"] = self.utilisation <= threshold
+        out["flops_per_step"] = self.flops_per_step
+        out["flops_convention"] = self.flops_convention
+        out["stages"] = [
+            {"stage": s.stage, **{f"{k}_bytes": s.terms[k] for k in TERMS}, "total_bytes": s.total_bytes}
+            for s in self.stages
+        ]
+        out["notes"] = list(self.notes)
+        return out
+
+
+# Two halves of a stage's terms, cached: ``plan`` evaluates tens of thousands of layouts that share
+# them (model states do not depend on the training shape, activations not on the ZeRO stage or dp).
+# Positional arguments only: lru_cache builds its key faster without keywords.
+@lru_cache(maxsize=65536)
+def _state_terms(
+    m: ModelSpec, stage: int, pp: int, tp: int, shards: int, zero: int, precision: str, engine: str
+) -> tuple[tuple[str, int], ...]:
+    n = stage_params(m, stage=stage, pp=pp, tp=tp)
+    states = (st.megatron_states if engine == "megatron" else st.torch_states)(
+        n, zero_stage=zero, shards=shards, precision=precision
+    )
+    return (
+        *states.items(),
+        ("param_copies", st.param_copies(n, zero_stage=zero, precision=precision, engine=engine)),
+        ("fsdp_allgather", buf.fsdp_allgather(m, stage=stage, pp=pp, tp=tp, zero_stage=zero, precision=precision)),
+        ("grad_reduce", buf.grad_reduce(m, tp=tp, zero_stage=zero, shards=shards)),
+        ("ddp_bucket", buf.ddp_bucket(n, zero_stage=zero, shards=shards, engine=engine)),
+        ("optimizer_step", buf.optimizer_step(n, zero_stage=zero, shards=shards, engine=engine)),
+    )
+
+
+@lru_cache(maxsize=65536)
+def _activation_terms(
+    m: ModelSpec, t: TrainSpec, stage: int, engine: str, layout: tuple
+) -> tuple[tuple[str, int], ...]:
+    tp, pp, cp, sp, schedule, v, balance = layout
+    # Activations depend on neither dp nor the ZeRO stage: they are not part of the key.
+    p = ParallelSpec(
+        dp=1, tp=tp, pp=pp, cp=cp, zero_stage=0, sequence_parallel=sp, pp_schedule=schedule,
+        virtual_stages=v, cp_load_balance=balance,
+    )
+    return (
+        ("activations", act.stage_layer_activations(m, p, t, stage=stage, engine=engine)),
+        ("token_ids", act.token_ids(p, t, stage=stage, engine=engine)),
+        ("output_activations", act.output_activations(m, p, t, stage=stage, engine=engine)),
+        ("logits", act.logits(m, p, t, stage=stage)),
+        ("tp_allgather", buf.tp_allgather(m, p, t)),
+        ("pp_p2p", buf.pp_p2p(m, p, t, stage=stage, engine=engine)),
+        ("cp_kv_allgather", buf.cp_kv_allgather(m, p, t)),
+        ("loss", buf.loss(m, p, t, stage=stage)),
+    )
+
+
+def _stage_terms(spec: RunSpec, stage: int, engine: str) -> dict[str, int]:
+    m, p, t = spec.model, spec.parallel, spec.train
+    states = _state_terms(m, stage, p.pp, p.tp, p.dp * p.cp, p.zero_stage, t.precision, engine)
+    layout = (p.tp, p.pp, p.cp, p.sequence_parallel, p.pp_schedule, p.virtual_stages, p.cp_load_balance)
+    return dict(states + _activation_terms(m, t, stage, engine, layout))
+
+
+def estimate(spec: RunSpec, *, engine: str = "torch") -> Estimate:
+    """Estimate one configuration's per-rank peak memory with ``engine`` (paper, megatron or torch).
+
+    Raises :class:`harness.specs.InvalidSpec` for an impossible layout and ``ValueError`` for an
+    unknown engine.
+    """
+    return estimate_canonical(canonical(spec), engine=engine)
+
+
+def dominant_stages(pp: int) -> tuple[int, ...]:
+    """The stages among which the most-loaded one always is: 0, 1 and the last.
+
+    Stages 1 … pp − 2 hold the same parameters (L/pp layers, no embedding or head), the same buffers
+    and no token ids; they differ only in in-flight micro-batches, which never grow with the stage
+    index (``inflight_chunks``). So stage 1 bounds every middle stage, and the max over these three
+    equals the max over all stages (a property test checks it).
+    """
+    return tuple(sorted({0, min(1, pp - 1), pp - 1}))
+
+
+def estimate_canonical(
+    spec: RunSpec, *, engine: str = "torch", stages: tuple[int, ...] | None = None
+) -> Estimate:
+    """:func:`estimate` of a spec already returned by :func:`harness.specs.canonical` (no re-validation:
+    ``plan`` validates each candidate once). ``stages`` limits the stages computed (``plan`` passes
+    :func:`dominant_stages`); by default every stage is."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r} must be one of {', '.join(ENGINES)}")
+    flops = model_flops_per_step(spec, convention=FLOPS_CONVENTION)
+    if engine == "paper":
+        terms = dict.fromkeys(TERMS, 0)
+        terms.update(paper_terms(spec.model, spec.parallel, spec.train))
+        note = "paper: closed form for the first stage; ignores " + ", ".join(IGNORED_FIELDS)
+        return Estimate(spec, engine, (StageEstimate(0, terms),), flops, notes=(note,))
+    ids = range(spec.parallel.pp) if stages is None else stages
+    return Estimate(spec, engine, tuple(StageEstimate(i, _stage_terms(spec, i, engine)) for i in ids), flops)

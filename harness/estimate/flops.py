@@ -1,0 +1,66 @@
+"""Model FLOPs per step, and the dense BF16 peak of known devices (for MFU).
+
+ESTIMATOR.md §7. Megatron-LM's ``num_floating_point_operations`` for Llama with GQA and SwiGLU:
+
+  F = 12·B·s·L·h²·[ (1 + k/a + s/h) + 1.5·f/h + v/(2·L·h) ]      (B = global batch in sequences)
+
+i.e. 6·tokens·(non-embedding matrix parameters + head) plus attention 12·B·s²·L·h. Convention
+``megatron`` counts the full s×s attention; ``megatron_causal`` uses s/(2h) (Megatron's 2025 change that
+counts the causal mask). Every figure records its convention (the ``flops_convention`` column).
+"""
+
+from __future__ import annotations
+
+import math
+from harness.specs import RunSpec
+
+FLOPS_CONVENTIONS = ("megatron", "megatron_causal")
+
+# Dense BF16 peak TFLOP/s by device name, most specific first: the first pattern contained in the
+# (lower-cased) name wins, so "h100 nvl" is tried before "h100". Vendor data sheets.
+PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("h100 nvl", 835.0),
+    ("h100 pcie", 756.0),
+    ("h100", 989.0),  # SXM5 80 GB and 94 GB
+    ("h200", 989.0),
+    ("h20", 148.0),
+    ("a100", 312.0),
+    ("a10g", 70.0),
+    ("l40s", 362.0),
+)
+
+
+def peak_tflops_for(device_name: str) -> float:
+    """Dense BF16 peak of a device from its name; NaN when unknown (never a guess)."""
+    name = device_name.lower().replace("-", " ").replace("_", " ")
+    for pattern, tflops in PEAK_BF16_TFLOPS:
+        if pattern in name:
+            return tflops
+    return math.nan
+
+
+def model_flops_per_step(spec: RunSpec, *, convention: str = "megatron") -> int:
+    """Model FLOPs of one optimizer step of the whole job (forward + backward, all ranks)."""
+    if convention not in FLOPS_CONVENTIONS:
+        raise ValueError(f"flops convention {convention!r} must be one of {', '.join(FLOPS_CONVENTIONS)}")
+    m, t = spec.model, spec.train
+    h, L, s, B = m.hidden_size, m.num_layers, t.seq_len, spec.global_batch_size
+    # The bracket multiplied out, in integers (h·k/a is whole because h % a == 0):
+    # 12BsLh·(h + h·k/a + s_attn) + 18BsLh·f + 6Bs·h·v, with s_attn = s, or s/2 counting the causal mask.
+    kv_width = h // m.num_heads * m.num_kv_heads
+    attn = 12 * B * s * L * h * s if convention == "megatron" else 6 * B * s * L * h * s
+    return 12 * B * s * L * h * (h + kv_width) + attn + 18 * B * s * L * h * m.ffn_hidden_size + 6 * B * s * h * m.vocab_size
+
+
+def hardware_flops_per_step(spec: RunSpec, *, convention: str = "megatron") -> int:
+    """FLOPs the hardware executes: full recomputation runs every forward once more (forward is a third
+    of forward + backward, so 4/3 of the model FLOPs); selective recomputation of the attention core adds
+    its forward, 4·B·s²·L·h (the s/h term's share of the forward pass)."""
+    model = model_flops_per_step(spec, convention=convention)
+    t, m = spec.train, spec.model
+    if t.recompute == "full":
+        return (4 * model + 1) // 3
+    if t.recompute == "selective":
+        core = 4 if convention == "megatron" else 2  # 4·B·s·s_attn·L·h with s_attn = s or s/2
+        return model + core * spec.global_batch_size * t.seq_len**2 * m.num_layers * m.hidden_size
+    return model

@@ -1,0 +1,51 @@
+"""Parameter counts of a Llama model: per layer, per pipeline stage, per tensor-parallel rank.
+
+ESTIMATOR.md §1. Per transformer layer: attention 2h²(1 + k/a) (Q and O are h×h, K and V are
+h×(h·k/a)), SwiGLU MLP 3·h·f, two RMSNorm weights 2h. Embedding h·v, final norm h, LM head h·v
+unless tied. Tensor parallelism shards every matrix by t (vocabulary-parallel embedding and head);
+norm weights are replicated. Stage 0 holds the embedding, the last stage the final norm and the head.
+"""
+
+from __future__ import annotations
+
+from harness.specs import ModelSpec
+
+
+def layer_matrix_params(m: ModelSpec) -> int:
+    """Weights of one layer's matrices: Q, K, V, O and the three SwiGLU projections."""
+    h = m.hidden_size
+    kv_width = h // m.num_heads * m.num_kv_heads  # h·k/a, exact because h % a == 0
+    return 2 * h * h + 2 * h * kv_width + 3 * h * m.ffn_hidden_size
+
+
+def layer_params(m: ModelSpec, *, tp: int = 1) -> int:
+    """Parameters of one transformer layer on one tensor-parallel rank (norm weights replicated)."""
+    return layer_matrix_params(m) // tp + 2 * m.hidden_size
+
+
+def total_params(m: ModelSpec) -> int:
+    """The model's parameter count, as published (Llama-3-8B: 8,030,261,248)."""
+    head = 0 if m.tie_embeddings else m.hidden_size * m.vocab_size
+    return m.num_layers * layer_params(m) + m.hidden_size * m.vocab_size + m.hidden_size + head
+
+
+def non_layer_params(m: ModelSpec, *, stage: int, pp: int, tp: int = 1) -> int:
+    """Embedding, final norm and LM head held by ``stage`` of ``pp`` on one tensor-parallel rank.
+
+    With tied embeddings and pp > 1 the last stage keeps its own copy of the shared matrix (as
+    Megatron-LM does, gradients all-reduced between the two stages); with pp = 1 it is counted once.
+    """
+    h, v = m.hidden_size, m.vocab_size
+    out = 0
+    if stage == 0:
+        out += h * v // tp
+    if stage == pp - 1:
+        out += h
+        if not (m.tie_embeddings and pp == 1):
+            out += h * v // tp
+    return out
+
+
+def stage_params(m: ModelSpec, *, stage: int, pp: int, tp: int = 1) -> int:
+    """Parameters on one rank of pipeline ``stage`` (its L/pp layers plus its share of the rest)."""
+    return m.num_layers // pp * layer_params(m, tp=tp) + non_layer_params(m, stage=stage, pp=pp, tp=tp)

@@ -1,0 +1,72 @@
+"""Model states per rank — weights, gradients, optimizer state — for the `megatron` and `torch` engines.
+
+ESTIMATOR.md §2. ``n`` is the number of parameters on the rank after tensor and pipeline sharding
+(:func:`harness.estimate.params.stage_params`); ``shards`` is the ZeRO sharding degree d·c: ZeRO and
+FSDP shard over the data-parallel group *including* context parallelism (Megatron's distributed
+optimizer does, and the runner's FSDP2 mesh is the flattened dp×cp mesh). Shards round up, as FSDP2
+pads the first dimension to a multiple of the group size.
+"""
+
+from __future__ import annotations
+
+
+
+def _shard(n_bytes: int, shards: int) -> int:
+    return -(-n_bytes // shards)
+
+
+def megatron_states(n: int, *, zero_stage: int, shards: int, precision: str) -> dict[str, int]:
+    """Megatron-LM mixed precision: BF16 weights (2 B), FP32 main gradients (4 B), Adam with FP32 master
+    weights and two FP32 moments (12 B) = 18 B per parameter; FP32 training keeps 4 + 4 + 8 = 16 B.
+
+    ZeRO stage z shards, over d·c ranks, the optimizer state (z ≥ 1, Megatron's distributed optimizer:
+    6 + 12/(d·c)), the gradients (z ≥ 2) and the weights (z = 3), as in Rajbhandari et al. 2019
+    (arXiv 1910.02054, Fig. 1) with Megatron's byte counts. Megatron's own
+    ``theoretical_memory_usage.py`` divides by d only, which overestimates when c > 1.
+    """
+    w, g, o = (2, 4, 12) if precision == "bf16" else (4, 4, 8)
+    return {
+        "params": _shard(w * n, shards) if zero_stage >= 3 else w * n,
+        "grads": _shard(g * n, shards) if zero_stage >= 2 else g * n,
+        "optimizer": _shard(o * n, shards) if zero_stage >= 1 else o * n,
+    }
+
+
+def torch_states(n: int, *, zero_stage: int, shards: int, precision: str) -> dict[str, int]:
+    """What the runner's PyTorch code keeps, for any precision: FP32 parameters (AdamW updates them in
+    place), FP32 gradients, AdamW's two FP32 moments ``exp_avg`` and ``exp_avg_sq`` (8 B).
+
+    - ZeRO-0: DDP, everything replicated (4 + 4 + 8 = 16 B per parameter); BF16 runs under autocast,
+      whose cast copies are the ``param_copies`` term, not a state.
+    - ZeRO-1: DDP + ``ZeroRedundancyOptimizer``: the 8 B of AdamW state sharded.
+    - ZeRO-2: FSDP2 ``fully_shard(reshard_after_forward=False)``: sharded FP32 parameters, FP32 sharded
+      gradients (``reduce_dtype=float32``), sharded optimizer state; the unsharded compute copy lives
+      from forward to backward (``param_copies``).
+    - ZeRO-3: FSDP2 ``fully_shard(reshard_after_forward=True)``: as ZeRO-2 but only the current and the
+      prefetched layer are unsharded at once (``fsdp_allgather``, a temporary).
+    """
+    del precision  # FP32 master parameters and states in both modes; the compute dtype is elsewhere
+    fsdp = zero_stage >= 2
+    return {
+        "params": _shard(4 * n, shards) if fsdp else 4 * n,
+        "grads": _shard(4 * n, shards) if fsdp else 4 * n,
+        "optimizer": _shard(8 * n, shards) if zero_stage >= 1 else 8 * n,
+    }
+
+
+def param_copies(n: int, *, zero_stage: int, precision: str, engine: str) -> int:
+    """Compute-dtype copies of the whole stage's parameters that live through forward and backward.
+
+    torch engine: under BF16 autocast (ZeRO-0/1) every weight's BF16 cast is saved for backward by its
+    matmul, so at the start of backward all of them are alive (2 B per parameter); under FSDP2 without
+    resharding after forward (ZeRO-2) the unsharded parameters in the compute dtype stay until backward.
+    Megatron keeps BF16 weights as the state itself and has no such copies.
+    """
+    if engine != "torch":
+        return 0
+    compute_bytes = 2 if precision == "bf16" else 4
+    if zero_stage == 2:
+        return compute_bytes * n
+    if zero_stage <= 1 and precision == "bf16":
+        return 2 * n
+    return 0

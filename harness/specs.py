@@ -1,0 +1,343 @@
+"""Frozen specs of one training configuration, their single validation, and the stable config_id.
+
+Everything below the CLI (estimator, runner, store) takes these dataclasses; nothing here imports
+anything outside the standard library. A spec is built once, validated once (``validate``), and put
+into canonical form (``canonical``) so that two spellings of the same run share one ``config_id``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+RECOMPUTE = ("none", "selective", "full")
+PRECISIONS = ("bf16", "fp32")
+ATTENTION = ("flash", "math")
+# Bumped whenever the canonical form or the hashed fields change: old results then get new ids
+# instead of silently matching runs of a different meaning.
+CONFIG_ID_VERSION = 1
+
+
+class InvalidSpec(ValueError):
+    """A configuration that cannot run; the message lists every reason with its arithmetic."""
+
+    def __init__(self, reasons: list[str]):
+        self.reasons = list(reasons)
+        super().__init__("; ".join(self.reasons))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A Llama-architecture decoder: RMSNorm, RoPE, GQA attention, SwiGLU MLP, no biases."""
+
+    name: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+    tie_embeddings: bool = False
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    """Degrees of the four axes and how each is realised; world = dp·tp·pp·cp.
+
+    ``world_size`` is optional: when given it must equal the product of the degrees, and when ``dp`` is
+    ``None`` it is derived from it (``dp = world_size / (tp·pp·cp)``) by :func:`canonical`.
+    """
+
+    dp: int | None = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    zero_stage: int = 0
+    sequence_parallel: bool = True
+    pp_schedule: str = "1f1b"
+    virtual_stages: int = 1
+    cp_load_balance: bool = True
+    world_size: int | None = None
+
+    @property
+    def world(self) -> int:
+        """Number of ranks (requires a resolved ``dp``)."""
+        return self.dp * self.tp * self.pp * self.cp
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """The shape of one optimizer step: micro-batch of ``micro_batch_size`` sequences of ``seq_len``
+    tokens, ``num_microbatches`` of them per data-parallel rank (gradient accumulation or pipeline).
+    ``num_microbatches`` None means one per pipeline stage, the fewest that fill a 1F1B pipeline
+    (resolved by :func:`canonical`)."""
+
+    seq_len: int = 256
+    micro_batch_size: int = 1
+    num_microbatches: int | None = None
+    recompute: str = "none"
+    precision: str = "bf16"
+    attention: str = "flash"
+    steps: int = 3
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A device preset: capacity in GiB (2^30 bytes) and dense BF16 peak in TFLOP/s (None = unknown)."""
+
+    name: str
+    memory_gib: float
+    peak_tflops: float | None = None
+    gpus_per_node: int = 8
+    intra_node_gbps: float | None = None
+    inter_node_gbps: float | None = None
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_gib * 2**30)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One point of a study: what runs (model, parallel, train) and where (device)."""
+
+    model: ModelSpec
+    parallel: ParallelSpec
+    train: TrainSpec
+    device: DeviceSpec
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step over all data-parallel ranks (of a canonical spec)."""
+        return self.parallel.dp * self.train.micro_batch_size * self.train.num_microbatches
+
+
+def _field_type_problems(spec: Any, section: str) -> list[str]:
+    """Fields whose value has the wrong type (a YAML typo shows up here, not deep in the arithmetic)."""
+    out = []
+    for f in fields(spec):
+        value = getattr(spec, f.name)
+        allowed = f.type if isinstance(f.type, str) else f.type.__name__
+        kinds = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
+        ok = False
+        for alt in allowed.replace(" ", "").split("|"):
+            if alt == "None" and value is None:
+                ok = True
+            elif alt in kinds and isinstance(value, kinds[alt]):
+                # bool is an int in Python; an int field given true/false is a mistake.
+                ok = not (alt in ("int", "float") and isinstance(value, bool))
+            if ok:
+                break
+        if not ok:
+            out.append(f"{section}.{f.name}={value!r} must be {allowed}")
+    return out
+
+
+def _positive(section: str, spec: Any, names: tuple[str, ...]) -> list[str]:
+    values = [getattr(spec, n) for n in names]
+    if min(values) >= 1:
+        return []
+    return [f"{section}.{n}={v} must be >= 1" for n, v in zip(names, values) if v < 1]
+
+
+def type_problems(spec: RunSpec) -> list[str]:
+    """Fields of ``spec`` whose value has the wrong type."""
+    return [
+        reason
+        for section in ("model", "parallel", "train", "device")
+        for reason in _field_type_problems(getattr(spec, section), section)
+    ]
+
+
+def problems(spec: RunSpec) -> list[str]:
+    """Every reason why ``spec`` cannot run, each with the arithmetic that shows it (empty if valid)."""
+    # Arithmetic on wrongly typed values would only add noise.
+    return type_problems(spec) or layout_problems(spec)
+
+
+def layout_problems(spec: RunSpec) -> list[str]:
+    """:func:`problems` for a spec whose fields are known to have the right types (``plan`` checks the
+    types of its base spec once, then the arithmetic of each candidate)."""
+    m, p, t = spec.model, spec.parallel, spec.train
+    microbatches = p.pp if t.num_microbatches is None else t.num_microbatches
+    out = _positive(
+        "model", m, ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size")
+    )
+    out += _positive("parallel", p, ("tp", "pp", "cp", "virtual_stages"))
+    out += _positive("train", t, ("seq_len", "micro_batch_size", "steps"))
+    if t.num_microbatches is not None and t.num_microbatches < 1:
+        out.append(f"train.num_microbatches={t.num_microbatches} must be >= 1 (or null: one per stage)")
+    if p.dp is not None and p.dp < 1:
+        out.append(f"parallel.dp={p.dp} must be >= 1")
+    if p.world_size is not None and p.world_size < 1:
+        out.append(f"parallel.world_size={p.world_size} must be >= 1")
+    if spec.device.memory_gib <= 0:
+        out.append(f"device.memory_gib={spec.device.memory_gib} must be > 0")
+    if out:
+        return out
+
+    # Model shape.
+    if m.hidden_size % m.num_heads:
+        out.append(f"hidden_size {m.hidden_size} % num_heads {m.num_heads} = {m.hidden_size % m.num_heads} ≠ 0")
+    if m.num_heads % m.num_kv_heads:
+        out.append(f"num_heads {m.num_heads} % num_kv_heads {m.num_kv_heads} ≠ 0 (GQA groups must be whole)")
+
+    # Degrees against the world size.
+    rest = p.tp * p.pp * p.cp
+    if p.dp is None:
+        if p.world_size is None:
+            out.append("parallel.dp is null and parallel.world_size is not set: one of them is needed")
+        elif p.world_size % rest:
+            out.append(
+                f"world_size {p.world_size} is not divisible by tp·pp·cp = {p.tp}·{p.pp}·{p.cp} = {rest}"
+            )
+    elif p.world_size is not None and p.dp * rest != p.world_size:
+        out.append(
+            f"dp·tp·pp·cp = {p.dp}·{p.tp}·{p.pp}·{p.cp} = {p.dp * rest} ≠ world_size {p.world_size}"
+        )
+
+    # Tensor parallel shards heads, KV heads and the vocabulary.
+    for what, n in (
+        ("num_heads", m.num_heads),
+        ("num_kv_heads", m.num_kv_heads),
+        ("ffn_hidden_size", m.ffn_hidden_size),
+        ("vocab_size", m.vocab_size),
+    ):
+        if n % p.tp:
+            out.append(f"{what} {n} % tp {p.tp} = {n % p.tp} ≠ 0")
+
+    # Pipeline: whole layers per (virtual) stage, enough micro-batches to fill the schedule.
+    if p.pp_schedule not in PP_SCHEDULES:
+        out.append(f"parallel.pp_schedule={p.pp_schedule!r} must be one of {', '.join(PP_SCHEDULES)}")
+    chunks = p.pp * p.virtual_stages
+    if m.num_layers % chunks:
+        out.append(
+            f"num_layers {m.num_layers} % (pp·virtual_stages = {p.pp}·{p.virtual_stages} = {chunks}) "
+            f"= {m.num_layers % chunks} ≠ 0"
+        )
+    if p.virtual_stages > 1 and p.pp_schedule != "interleaved_1f1b":
+        out.append(f"virtual_stages {p.virtual_stages} > 1 needs pp_schedule=interleaved_1f1b, not {p.pp_schedule}")
+    if p.pp_schedule == "interleaved_1f1b":
+        if p.virtual_stages < 2:
+            out.append("pp_schedule=interleaved_1f1b needs virtual_stages >= 2 (with 1 it is plain 1f1b)")
+        if p.pp < 2:
+            out.append("pp_schedule=interleaved_1f1b needs pp >= 2")
+        elif microbatches % p.pp:
+            # Megatron's rule; torch's Interleaved1F1B accepts a few more counts, but the in-flight
+            # accounting of the estimator (Narayanan et al. 2021) assumes whole rounds.
+            out.append(
+                f"interleaved_1f1b needs num_microbatches % pp = 0: {microbatches} % {p.pp} "
+                f"= {microbatches % p.pp}"
+            )
+    if p.pp > 1 and p.pp_schedule == "1f1b" and microbatches < p.pp:
+        out.append(f"1f1b needs num_microbatches >= pp: {microbatches} < {p.pp}")
+
+    # Context parallel splits the sequence (in 2·cp chunks when head–tail load-balanced), sequence
+    # parallel splits each context shard again by tp.
+    cp_chunks = 2 * p.cp if (p.cp > 1 and p.cp_load_balance) else p.cp
+    if t.seq_len % cp_chunks:
+        how = "2·cp" if cp_chunks != p.cp else "cp"
+        out.append(f"seq_len {t.seq_len} % ({how} = {cp_chunks}) = {t.seq_len % cp_chunks} ≠ 0")
+    elif p.tp > 1 and p.sequence_parallel and (t.seq_len // p.cp) % p.tp:
+        out.append(
+            f"sequence parallel needs (seq_len/cp) % tp = 0: ({t.seq_len}/{p.cp}) % {p.tp} "
+            f"= {(t.seq_len // p.cp) % p.tp}"
+        )
+
+    if p.zero_stage not in (0, 1, 2, 3):
+        out.append(f"parallel.zero_stage={p.zero_stage} must be 0, 1, 2 or 3")
+    for name, value, allowed in (
+        ("train.recompute", t.recompute, RECOMPUTE),
+        ("train.precision", t.precision, PRECISIONS),
+        ("train.attention", t.attention, ATTENTION),
+    ):
+        if value not in allowed:
+            out.append(f"{name}={value!r} must be one of {', '.join(allowed)}")
+    return out
+
+
+def canonical(spec: RunSpec) -> RunSpec:
+    """Validate ``spec`` and return its canonical form; raise :class:`InvalidSpec` with every reason.
+
+    The canonical form resolves ``dp``/``world_size`` and resets fields that have no effect, so that
+    the same run spelled two ways gets one ``config_id``: ``pp_schedule``/``virtual_stages`` when
+    pp = 1, ``sequence_parallel`` when tp = 1, ``cp_load_balance`` when cp = 1; and it resolves
+    ``num_microbatches`` None to pp.
+    """
+    reasons = problems(spec)
+    if reasons:
+        raise InvalidSpec(reasons)
+    return canonical_form(spec)
+
+
+def canonical_form(spec: RunSpec) -> RunSpec:
+    """The canonical form of a spec that has already passed :func:`problems` (no re-validation)."""
+    p = spec.parallel
+    dp = p.dp if p.dp is not None else p.world_size // (p.tp * p.pp * p.cp)
+    p = dataclasses.replace(
+        p,
+        dp=dp,
+        world_size=dp * p.tp * p.pp * p.cp,
+        pp_schedule=p.pp_schedule if p.pp > 1 else "1f1b",
+        virtual_stages=p.virtual_stages if p.pp > 1 else 1,
+        sequence_parallel=p.sequence_parallel if p.tp > 1 else False,
+        cp_load_balance=p.cp_load_balance if p.cp > 1 else False,
+    )
+    t = spec.train
+    if t.num_microbatches is None:
+        t = dataclasses.replace(t, num_microbatches=p.pp)
+    return dataclasses.replace(spec, parallel=p, train=t)
+
+
+def validate(spec: RunSpec) -> None:
+    """Raise :class:`InvalidSpec` if ``spec`` cannot run (``canonical`` does this and more)."""
+    reasons = problems(spec)
+    if reasons:
+        raise InvalidSpec(reasons)
+
+
+def flat(spec: RunSpec) -> dict[str, Any]:
+    """The spec as record columns: ``model_hidden_size``, ``parallel_tp``, ``train_seq_len``, …"""
+    out: dict[str, Any] = {}
+    for section in ("model", "parallel", "train", "device"):
+        for key, value in dataclasses.asdict(getattr(spec, section)).items():
+            out[f"{section}_{key}"] = value
+    return out
+
+
+def config_id(spec: RunSpec) -> str:
+    """Stable 16-hex-digit id of the canonical spec (model shape, layout, training shape, device).
+
+    The model and device are hashed by their fields, not their preset names, so renaming a preset
+    keeps ids; the device's interconnect figures (used only to rank layouts) are left out.
+    """
+    spec = canonical(spec)
+    payload = {
+        "v": CONFIG_ID_VERSION,
+        "model": {k: v for k, v in dataclasses.asdict(spec.model).items() if k != "name"},
+        "parallel": dataclasses.asdict(spec.parallel),
+        "train": dataclasses.asdict(spec.train),
+        "device": {"name": spec.device.name, "memory_gib": float(spec.device.memory_gib)},
+    }
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def from_dict(data: dict[str, Any]) -> RunSpec:
+    """Build a RunSpec from plain nested dicts (the CLI's composed config); unknown keys are an error."""
+    built = {}
+    for section, cls in (("model", ModelSpec), ("parallel", ParallelSpec), ("train", TrainSpec), ("device", DeviceSpec)):
+        given = dict(data.get(section) or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise InvalidSpec([f"unknown key {section}.{k} (known: {', '.join(sorted(known))})" for k in unknown])
+        missing = [f.name for f in fields(cls) if f.name not in given and f.default is dataclasses.MISSING]
+        if missing:
+            raise InvalidSpec([f"missing key {section}.{k}" for k in missing])
+        built[section] = cls(**given)
+    return RunSpec(**built)
