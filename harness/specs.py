@@ -141,7 +141,7 @@ def _positive(section: str, spec: Any, names: tuple[str, ...]) -> list[str]:
     values = [getattr(spec, n) for n in names]
     if min(values) >= 1:
         return []
-    return [f"{section}.{n}={v} must be >= 1" for n, v in zip(names, values) if v < 1]
+    return [f"{section}.{n}={v} must be >= 1" for n, v in zip(names, values, strict=True) if v < 1]
 
 
 def type_problems(spec: RunSpec) -> list[str]:
@@ -165,7 +165,9 @@ def layout_problems(spec: RunSpec) -> list[str]:
     m, p, t = spec.model, spec.parallel, spec.train
     microbatches = p.pp if t.num_microbatches is None else t.num_microbatches
     out = _positive(
-        "model", m, ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size")
+        "model",
+        m,
+        ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size"),
     )
     out += _positive("parallel", p, ("tp", "pp", "cp", "virtual_stages"))
     out += _positive("train", t, ("seq_len", "micro_batch_size", "steps"))
@@ -182,7 +184,9 @@ def layout_problems(spec: RunSpec) -> list[str]:
 
     # Model shape.
     if m.hidden_size % m.num_heads:
-        out.append(f"hidden_size {m.hidden_size} % num_heads {m.num_heads} = {m.hidden_size % m.num_heads} ≠ 0")
+        out.append(
+            f"hidden_size {m.hidden_size} % num_heads {m.num_heads} = {m.hidden_size % m.num_heads} ≠ 0"
+        )
     if m.num_heads % m.num_kv_heads:
         out.append(f"num_heads {m.num_heads} % num_kv_heads {m.num_kv_heads} ≠ 0 (GQA groups must be whole)")
 
@@ -196,9 +200,7 @@ def layout_problems(spec: RunSpec) -> list[str]:
                 f"world_size {p.world_size} is not divisible by tp·pp·cp = {p.tp}·{p.pp}·{p.cp} = {rest}"
             )
     elif p.world_size is not None and p.dp * rest != p.world_size:
-        out.append(
-            f"dp·tp·pp·cp = {p.dp}·{p.tp}·{p.pp}·{p.cp} = {p.dp * rest} ≠ world_size {p.world_size}"
-        )
+        out.append(f"dp·tp·pp·cp = {p.dp}·{p.tp}·{p.pp}·{p.cp} = {p.dp * rest} ≠ world_size {p.world_size}")
 
     # Tensor parallel shards heads, KV heads and the vocabulary.
     for what, n in (
@@ -220,7 +222,9 @@ def layout_problems(spec: RunSpec) -> list[str]:
             f"= {m.num_layers % chunks} ≠ 0"
         )
     if p.virtual_stages > 1 and p.pp_schedule != "interleaved_1f1b":
-        out.append(f"virtual_stages {p.virtual_stages} > 1 needs pp_schedule=interleaved_1f1b, not {p.pp_schedule}")
+        out.append(
+            f"virtual_stages {p.virtual_stages} > 1 needs pp_schedule=interleaved_1f1b, not {p.pp_schedule}"
+        )
     if p.pp_schedule == "interleaved_1f1b":
         if p.virtual_stages < 2:
             out.append("pp_schedule=interleaved_1f1b needs virtual_stages >= 2 (with 1 it is plain 1f1b)")
@@ -330,12 +334,19 @@ def config_id(spec: RunSpec) -> str:
 def from_dict(data: dict[str, Any]) -> RunSpec:
     """Build a RunSpec from plain nested dicts (the CLI's composed config); unknown keys are an error."""
     built = {}
-    for section, cls in (("model", ModelSpec), ("parallel", ParallelSpec), ("train", TrainSpec), ("device", DeviceSpec)):
+    for section, cls in (
+        ("model", ModelSpec),
+        ("parallel", ParallelSpec),
+        ("train", TrainSpec),
+        ("device", DeviceSpec),
+    ):
         given = dict(data.get(section) or {})
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(given) - known)
         if unknown:
-            raise InvalidSpec([f"unknown key {section}.{k} (known: {', '.join(sorted(known))})" for k in unknown])
+            raise InvalidSpec(
+                [f"unknown key {section}.{k} (known: {', '.join(sorted(known))})" for k in unknown]
+            )
         missing = [f.name for f in fields(cls) if f.name not in given and f.default is dataclasses.MISSING]
         if missing:
             raise InvalidSpec([f"missing key {section}.{k}" for k in missing])

@@ -11,7 +11,8 @@ from harness import __version__
 from harness.cli.config import ConfigError, compose, engine_name, run_spec
 from harness.specs import InvalidSpec
 
-USAGE = f"""harness {__version__}: which 4D-parallel training configuration fits in memory, and which runs fastest.
+USAGE = f"""harness {__version__}: which 4D-parallel training configuration fits in memory, and which runs
+fastest.
 
 usage: harness <command> [key=value ...]      (or: python -m harness <command> ...)
 
@@ -33,7 +34,7 @@ def _output_settings(cfg: dict) -> tuple[str, float]:
         threshold = float(cfg["threshold"])
     except (TypeError, ValueError):
         raise ValueError(f"threshold={cfg['threshold']!r} must be a number") from None
-    if not 0 < threshold:
+    if not threshold > 0:
         raise ValueError(f"threshold={threshold} must be > 0 (a fraction of device memory, e.g. 0.8)")
     return fmt, threshold
 

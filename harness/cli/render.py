@@ -126,7 +126,8 @@ def plan_table(result: PlanResult, opts: PlanOptions, *, top: int) -> str:
     if first is not None:
         t = first.train
         lines.append(
-            f"{first.model.name} on {opts.gpus} × {first.device.name}, engine {opts.engine}, seq {t.seq_len}, "
+            f"{first.model.name} on {opts.gpus} × {first.device.name}, engine {opts.engine}, "
+            f"seq {t.seq_len}, "
             f"global batch {first.global_batch_size}, {t.precision}"
         )
     lines.append(
@@ -142,19 +143,27 @@ def plan_table(result: PlanResult, opts: PlanOptions, *, top: int) -> str:
             )
         return "\n".join(lines)
     has_time = not math.isnan(result.fitting[0].cost.step_time_s)
-    rank_by = "step-time proxy (compute at peak + bubble + unoverlapped comm)" if has_time else (
-        "compute overhead (recomputation × bubble), then communication volume (no peak/link figures for "
-        "this device)"
+    rank_by = (
+        "step-time proxy (compute at peak + bubble + unoverlapped comm)"
+        if has_time
+        else (
+            "compute overhead (recomputation × bubble), then communication volume (no peak/link figures for "
+            "this device)"
+        )
     )
     lines += [f"ranked by {rank_by}; top {min(top, len(result.fitting))}:", ""]
-    header = f"{'#':>3} {'dp':>5} {'tp':>3} {'pp':>3} {'cp':>4} {'zero':>4} {'sched':>10} {'mbs':>4} {'m':>5} "
+    header = (
+        f"{'#':>3} {'dp':>5} {'tp':>3} {'pp':>3} {'cp':>4} {'zero':>4} {'sched':>10} {'mbs':>4} {'m':>5} "
+    )
     header += f"{'recomp':>9} {'GiB':>8} {'util':>6} {'bubble':>7} {'comm GiB':>9}"
     header += f" {'step s':>8}" if has_time else ""
     lines.append(header)
     for i, row in enumerate(result.fitting[:top], 1):
         spec, c = row.estimate.spec, row.cost
         p, t = spec.parallel, spec.train
-        sched = "-" if p.pp == 1 else (p.pp_schedule.replace("interleaved_1f1b", f"int1f1b/{p.virtual_stages}"))
+        sched = (
+            "-" if p.pp == 1 else (p.pp_schedule.replace("interleaved_1f1b", f"int1f1b/{p.virtual_stages}"))
+        )
         line = (
             f"{i:>3} {p.dp:>5} {p.tp:>3} {p.pp:>3} {p.cp:>4} {p.zero_stage:>4} {sched:>10} "
             f"{t.micro_batch_size:>4} {t.num_microbatches:>5} {t.recompute:>9} "

@@ -94,14 +94,23 @@ def stage_layer_activations(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stag
     """The activations of all layers ``stage`` holds at its peak, with recomputation applied.
 
     Full recomputation keeps each in-flight layer's input and, while one layer is recomputed in
-    backward, that layer's full activations once (Korthikanti §4.2: 2sbhL/t plus one layer).
+    backward, that layer's full activations once (Korthikanti §4.2: 2sbhL/t plus one layer; the
+    recomputed layer's input, its first norm input, is counted once).
+    Selective recomputation keeps everything but the scores, which one layer's recomputed attention
+    core holds again during backward.
     """
     layers_per_chunk = m.num_layers // (p.pp * p.virtual_stages)
     layers = inflight_chunks(p, t, stage=stage) * layers_per_chunk
     if t.recompute == "full":
         full_layer = layer_activation_bytes(m, p, t, engine=engine, recompute="none")
-        return layers * layer_input_bytes(m, p, t) + full_layer
-    return layers * layer_activation_bytes(m, p, t, engine=engine)
+        # The recomputed layer's own input is one of the kept inputs (its first norm input).
+        return (layers - 1) * layer_input_bytes(m, p, t) + full_layer
+    kept = layers * layer_activation_bytes(m, p, t, engine=engine)
+    if t.recompute == "selective":
+        # The recomputed attention core materialises one layer's scores again during backward.
+        full_layer = layer_activation_bytes(m, p, t, engine=engine, recompute="none")
+        kept += full_layer - layer_activation_bytes(m, p, t, engine=engine)
+    return kept
 
 
 def _last_stage_inflight(p: ParallelSpec, t: TrainSpec) -> int:

@@ -73,8 +73,12 @@ def pp_p2p(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: s
     if p.pp == 1:
         return 0
     sp = p.sequence_parallel and p.tp > 1
-    one = elem_bytes(t.precision) * t.seq_len * t.micro_batch_size * m.hidden_size // (
-        p.cp * (p.tp if sp else 1)
+    one = (
+        elem_bytes(t.precision)
+        * t.seq_len
+        * t.micro_batch_size
+        * m.hidden_size
+        // (p.cp * (p.tp if sp else 1))
     )
     directions = (stage > 0) + (stage < p.pp - 1)
     per_direction = t.num_microbatches * p.virtual_stages if engine == "torch" else 1

@@ -78,6 +78,7 @@ def cost(spec: RunSpec) -> Cost:
 
     step = math.nan
     if dev.peak_tflops and dev.intra_node_gbps and dev.inter_node_gbps:
+
         def link(group_span: int) -> float:
             gbps = dev.intra_node_gbps if group_span <= dev.gpus_per_node else dev.inter_node_gbps
             return gbps * 1e9

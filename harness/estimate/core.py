@@ -19,8 +19,8 @@ from harness.estimate import activations as act
 from harness.estimate import buffers as buf
 from harness.estimate import states as st
 from harness.estimate.flops import model_flops_per_step
-from harness.estimate.params import stage_params
 from harness.estimate.paper import IGNORED_FIELDS, paper_terms
+from harness.estimate.params import stage_params
 from harness.specs import ModelSpec, ParallelSpec, RunSpec, TrainSpec, canonical, config_id
 
 ENGINES = ("paper", "megatron", "torch")
@@ -133,7 +133,10 @@ def _state_terms(
     return (
         *states.items(),
         ("param_copies", st.param_copies(n, zero_stage=zero, precision=precision, engine=engine)),
-        ("fsdp_allgather", buf.fsdp_allgather(m, stage=stage, pp=pp, tp=tp, zero_stage=zero, precision=precision)),
+        (
+            "fsdp_allgather",
+            buf.fsdp_allgather(m, stage=stage, pp=pp, tp=tp, zero_stage=zero, precision=precision),
+        ),
         ("grad_reduce", buf.grad_reduce(m, tp=tp, zero_stage=zero, shards=shards)),
         ("ddp_bucket", buf.ddp_bucket(n, zero_stage=zero, shards=shards, engine=engine)),
         ("optimizer_step", buf.optimizer_step(n, zero_stage=zero, shards=shards, engine=engine)),
@@ -147,8 +150,15 @@ def _activation_terms(
     tp, pp, cp, sp, schedule, v, balance = layout
     # Activations depend on neither dp nor the ZeRO stage: they are not part of the key.
     p = ParallelSpec(
-        dp=1, tp=tp, pp=pp, cp=cp, zero_stage=0, sequence_parallel=sp, pp_schedule=schedule,
-        virtual_stages=v, cp_load_balance=balance,
+        dp=1,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        zero_stage=0,
+        sequence_parallel=sp,
+        pp_schedule=schedule,
+        virtual_stages=v,
+        cp_load_balance=balance,
     )
     return (
         ("activations", act.stage_layer_activations(m, p, t, stage=stage, engine=engine)),

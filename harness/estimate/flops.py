@@ -12,6 +12,7 @@ counts the causal mask). Every figure records its convention (the ``flops_conven
 from __future__ import annotations
 
 import math
+
 from harness.specs import RunSpec
 
 FLOPS_CONVENTIONS = ("megatron", "megatron_causal")
@@ -49,7 +50,12 @@ def model_flops_per_step(spec: RunSpec, *, convention: str = "megatron") -> int:
     # 12BsLh·(h + h·k/a + s_attn) + 18BsLh·f + 6Bs·h·v, with s_attn = s, or s/2 counting the causal mask.
     kv_width = h // m.num_heads * m.num_kv_heads
     attn = 12 * B * s * L * h * s if convention == "megatron" else 6 * B * s * L * h * s
-    return 12 * B * s * L * h * (h + kv_width) + attn + 18 * B * s * L * h * m.ffn_hidden_size + 6 * B * s * h * m.vocab_size
+    return (
+        12 * B * s * L * h * (h + kv_width)
+        + attn
+        + 18 * B * s * L * h * m.ffn_hidden_size
+        + 6 * B * s * h * m.vocab_size
+    )
 
 
 def hardware_flops_per_step(spec: RunSpec, *, convention: str = "megatron") -> int:

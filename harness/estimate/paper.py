@@ -68,5 +68,7 @@ def paper_total(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> Fraction:
         Fraction(h * v, tp)
         + Fraction(2 * L, pp) * h * h * ((1 + Fraction(k, a) + Fraction(3 * f, 2 * h)) / tp + Fraction(1, h))
     )
-    acts = Fraction(s * b * h, tp * c) * ((12 + Fraction(4 * k, a) + Fraction(8 * f, h)) * L + 8 * pp + 4 * (1 + Fraction(v, h)))
+    acts = Fraction(s * b * h, tp * c) * (
+        (12 + Fraction(4 * k, a) + Fraction(8 * f, h)) * L + 8 * pp + 4 * (1 + Fraction(v, h))
+    )
     return states + acts

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from harness.estimate.comm import Cost, cost
 from harness.estimate.core import Estimate, dominant_stages, estimate_canonical
-from harness.specs import InvalidSpec, ParallelSpec, RunSpec, TrainSpec, layout_problems, type_problems
+from harness.specs import InvalidSpec, ParallelSpec, RunSpec, layout_problems, type_problems
 
 
 @dataclass(frozen=True)
@@ -71,9 +71,15 @@ def candidates(base: RunSpec, opts: PlanOptions) -> Iterator[RunSpec]:
         if tp > opts.max_tp:
             break
         for pp in _divisors(opts.gpus // tp):
-            schedules = [("1f1b", 1)] if pp == 1 else [
-                (s, v) for s in opts.pp_schedules for v in (opts.virtual_stages if s == "interleaved_1f1b" else (1,))
-            ]
+            schedules = (
+                [("1f1b", 1)]
+                if pp == 1
+                else [
+                    (s, v)
+                    for s in opts.pp_schedules
+                    for v in (opts.virtual_stages if s == "interleaved_1f1b" else (1,))
+                ]
+            )
             for cp in _divisors(opts.gpus // (tp * pp)):
                 dp = opts.gpus // (tp * pp * cp)
                 for mbs in opts.micro_batch_sizes:
@@ -90,8 +96,15 @@ def candidates(base: RunSpec, opts: PlanOptions) -> Iterator[RunSpec]:
                             # Built field by field (dataclasses.replace costs ~10 µs a call, and this
                             # loop runs tens of thousands of times for a 1,024-GPU plan).
                             par = ParallelSpec(
-                                dp=dp, tp=tp, pp=pp, cp=cp, zero_stage=zero, sequence_parallel=tp > 1,
-                                pp_schedule=schedule, virtual_stages=v, cp_load_balance=cp > 1,
+                                dp=dp,
+                                tp=tp,
+                                pp=pp,
+                                cp=cp,
+                                zero_stage=zero,
+                                sequence_parallel=tp > 1,
+                                pp_schedule=schedule,
+                                virtual_stages=v,
+                                cp_load_balance=cp > 1,
                                 world_size=opts.gpus,
                             )
                             for train in trains:

@@ -10,7 +10,6 @@ pads the first dimension to a multiple of the group size.
 from __future__ import annotations
 
 
-
 def _shard(n_bytes: int, shards: int) -> int:
     return -(-n_bytes // shards)
 

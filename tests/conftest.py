@@ -1,0 +1,61 @@
+"""Shared fixtures: specs built the way the CLI builds them (from the committed presets)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from harness.specs import DeviceSpec, ModelSpec, ParallelSpec, RunSpec, TrainSpec, canonical
+
+SWEEPS = Path(__file__).resolve().parents[1] / "sweeps"
+
+
+def preset(group: str, name: str) -> dict:
+    return yaml.safe_load((SWEEPS / group / f"{name}.yaml").read_text())
+
+
+def model(name: str) -> ModelSpec:
+    return ModelSpec(**preset("model", name))
+
+
+def device(name: str) -> DeviceSpec:
+    return DeviceSpec(**preset("device", name))
+
+
+def spec(model_name: str = "tiny", device_name: str = "cpu", **overrides) -> RunSpec:
+    """A canonical RunSpec from presets; overrides are ``parallel_tp=2``, ``train_seq_len=512``, …"""
+    par, train = {}, {}
+    for key, value in overrides.items():
+        section, field = key.split("_", 1)
+        {"parallel": par, "train": train}[section][field] = value
+    return canonical(RunSpec(model(model_name), ParallelSpec(**par), TrainSpec(**train), device(device_name)))
+
+
+def replace(s: RunSpec, **overrides) -> RunSpec:
+    """``replace(s, parallel_tp=4)``: a canonical copy with some parallel/train fields changed."""
+    par = {"world_size": None}  # re-derived from the degrees by canonical()
+    par.update({k.split("_", 1)[1]: v for k, v in overrides.items() if k.startswith("parallel_")})
+    train = {k.split("_", 1)[1]: v for k, v in overrides.items() if k.startswith("train_")}
+    return canonical(
+        dataclasses.replace(
+            s, parallel=dataclasses.replace(s.parallel, **par), train=dataclasses.replace(s.train, **train)
+        )
+    )
+
+
+@pytest.fixture
+def tiny() -> RunSpec:
+    return spec("tiny")
+
+
+# Hypothesis: deterministic in CI (a property that fails, fails on every run, never by chance), and a
+# "deep" profile for searching harder by hand: HYPOTHESIS_PROFILE=deep pytest tests/test_properties.py
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("ci", derandomize=True, deadline=None)
+settings.register_profile("deep", max_examples=3000, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default"))

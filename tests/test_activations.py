@@ -1,0 +1,119 @@
+"""Each activation term for one small configuration, worked out by hand in the comments.
+
+Model `tiny`: h 128, L 4, a 4, k 2 (k/a = 1/2), f 352, v 4096; s 256, b 2, BF16 (2 bytes per element).
+sbh = 256·2·128 = 65,536 elements; sbf = 256·2·352 = 180,224 elements.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import replace, spec
+
+from harness.estimate import activations as act
+from harness.estimate import buffers as buf
+
+BASE = dict(train_seq_len=256, train_micro_batch_size=2)
+
+
+def layer(engine="torch", **kw):
+    s = spec("tiny", **{**BASE, **kw})
+    return act.layer_activation_bytes(s.model, s.parallel, s.train, engine=engine)
+
+
+@pytest.mark.parametrize("engine", ["megatron", "torch"])
+def test_layer_without_parallelism(engine):
+    # norms 2·sbh 131,072 + attention input sbh 65,536 + Q and output 2·sbh 131,072
+    # + K,V 2·sbh·k/a 65,536 + MLP input sbh 65,536 + 4·sbf 720,896 = 1,179,648 elements · 2 B.
+    assert layer(engine) == 2_359_296
+    # The ESTIMATOR's closed form: sbh·2·(12 + 4k/a + 8f/h)/2 = 65,536·(12 + 2 + 22) = 2,359,296.
+    assert layer(engine) == 65_536 * (12 + 2 + 22)
+
+
+def test_megatron_tp_with_sp_shards_everything():
+    assert layer("megatron", parallel_tp=2, parallel_sequence_parallel=True) == 2_359_296 // 2
+
+
+def test_tp_without_sp_llama_form():
+    # Korthikanti Table 2 adapted: sbh·(8 + (4 + 4k/a + 8f/h)/t) bytes = 65,536·(8 + 28/2) = 1,441,792.
+    for engine in ("megatron", "torch"):
+        assert layer(engine, parallel_tp=2, parallel_sequence_parallel=False) == 1_441_792
+
+
+def test_torch_tp_sp_saves_the_gathered_inputs_in_full():
+    # norms /2 → 65,536; attention + MLP inputs stay full 131,072; Q,out /2 → 65,536;
+    # K,V /2 → 32,768; MLP /2 → 360,448: 655,360 elements = 1,310,720 B.
+    assert layer("torch", parallel_tp=2, parallel_sequence_parallel=True) == 1_310_720
+
+
+def test_context_parallel():
+    # megatron divides everything by c = 2.
+    assert layer("megatron", parallel_cp=2) == 1_179_648
+    # torch: everything /2 except the gathered, full-sequence K and V (65,536 elements):
+    # 65,536 + 65,536 + 65,536 + 65,536 + 360,448 = 622,592 elements = 1,245,184 B.
+    assert layer("torch", parallel_cp=2) == 1_245_184
+
+
+def test_math_attention_adds_scores_and_selective_recompute_drops_them():
+    # score + softmax: 2·a·s²·b = 2·4·65,536·2 = 1,048,576 elements = 2,097,152 B more.
+    assert layer(train_attention="math") == 2_359_296 + 2_097_152
+    assert layer(train_attention="math", train_recompute="selective") == 2_359_296
+    # … but one layer's scores come back while its attention core is recomputed in backward.
+    sel = spec("tiny", **BASE, train_attention="math", train_recompute="selective")
+    stage = act.stage_layer_activations(sel.model, sel.parallel, sel.train, stage=0, engine="torch")
+    assert stage == 4 * 2_359_296 + 2_097_152
+    # With CP = 2 each rank holds (s/c)·s scores per head: half.
+    assert layer("megatron", train_attention="math", parallel_cp=2) == (2_359_296 + 2_097_152) // 2
+
+
+def test_full_recompute_keeps_layer_inputs_plus_one_layer():
+    s = spec("tiny", **BASE, train_recompute="full")
+    # 4 layers × input sbh·2 B = 131,072 each, plus one layer recomputed in full 2,359,296, whose own
+    # input (its first norm input) is one of the four: 3 · 131,072 + 2,359,296.
+    got = act.stage_layer_activations(s.model, s.parallel, s.train, stage=0, engine="torch")
+    assert got == 3 * 131_072 + 2_359_296
+
+
+@pytest.mark.parametrize(
+    ("schedule", "v", "m", "layers_by_stage"),
+    [
+        # 1F1B: stage i holds min(pp − i, m) micro-batches of L/pp = 2 layers.
+        ("1f1b", 1, 4, [4, 2]),
+        # GPipe: all m micro-batches.
+        ("gpipe", 1, 4, [8, 8]),
+        # Interleaved, v = 2 chunks of 1 layer: stage 0 holds 2·1 + 1·2 + 1 = 5 chunks
+        # (= L·(1 + (p − 1)/(p·v)) = 4·1.25), stage 1 holds 0 + 2 + 1 = 3.
+        ("interleaved_1f1b", 2, 4, [5, 3]),
+    ],
+)
+def test_inflight_microbatches(schedule, v, m, layers_by_stage):
+    s = spec(
+        "tiny",
+        **BASE,
+        parallel_pp=2,
+        parallel_pp_schedule=schedule,
+        parallel_virtual_stages=v,
+        train_num_microbatches=m,
+    )
+    got = [act.stage_layer_activations(s.model, s.parallel, s.train, stage=i, engine="torch") for i in (0, 1)]
+    assert got == [n * 2_359_296 for n in layers_by_stage]
+
+
+def test_ends_of_the_model():
+    s = spec("tiny", **BASE)
+    m, p, t = s.model, s.parallel, s.train
+    # Logits: s·b·v = 2,097,152 elements in BF16.
+    assert act.logits(m, p, t, stage=0) == 4_194_304
+    # The loss's FP32 logits and gradient: 2·4·s·b·v.
+    assert buf.loss(m, p, t, stage=0) == 16_777_216
+    # Token ids 8·s·b = 4,096 B; the torch runner holds ids and targets (pp = 1: both on stage 0).
+    assert act.token_ids(p, t, stage=0, engine="megatron") == 4_096
+    assert act.token_ids(p, t, stage=0, engine="torch") == 8_192
+    # Final-norm input + LM-head input: 2·sbh·2 B.
+    assert act.output_activations(m, p, t, stage=0, engine="megatron") == 262_144
+
+
+def test_logits_and_loss_sit_on_the_last_stage_only():
+    s = replace(spec("tiny", **BASE), parallel_pp=2, train_num_microbatches=2)
+    m, p, t = s.model, s.parallel, s.train
+    assert act.logits(m, p, t, stage=0) == 0 and buf.loss(m, p, t, stage=0) == 0
+    assert act.logits(m, p, t, stage=1) == 4_194_304

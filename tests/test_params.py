@@ -1,0 +1,47 @@
+"""Parameter counts against the published model sizes, and the per-stage, per-rank split."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import model
+
+from harness.estimate.params import layer_params, stage_params, total_params
+
+
+@pytest.mark.parametrize(
+    ("name", "published"),
+    [
+        # Exact counts of the released checkpoints (sum of tensor sizes in their model cards / weights).
+        ("llama2_7b", 6_738_415_616),
+        ("llama2_13b", 13_015_864_320),
+        ("llama2_70b", 68_976_648_192),
+        ("llama3_8b", 8_030_261_248),
+        ("llama3_70b", 70_553_706_496),
+        ("llama31_405b", 405_853_388_800),
+    ],
+)
+def test_total_params_equal_published_sizes(name, published):
+    assert total_params(model(name)) == published
+
+
+def test_tiny_split_over_tp_and_pp_by_hand():
+    m = model("tiny")  # h 128, L 4, a 4, k 2, f 352, v 4096
+    # Matrices per layer: Q,O 2·128² = 32,768; K,V 2·128·64 = 16,384; MLP 3·128·352 = 135,168
+    # → 184,320; tp=2 halves them → 92,160, plus two replicated norm weights 256 → 92,416.
+    assert layer_params(m, tp=2) == 92_416
+    # Stage 0 of pp=2: 2 layers (184,832) + half the embedding 128·4096/2 = 262,144 → 446,976.
+    assert stage_params(m, stage=0, pp=2, tp=2) == 446_976
+    # Last stage: 2 layers + final norm 128 + half the LM head 262,144 → 447,104.
+    assert stage_params(m, stage=1, pp=2, tp=2) == 447_104
+    # Whole model: 4·184,576 + embedding 524,288 + head 524,288 + norm 128.
+    assert total_params(m) == 1_787_008
+
+
+def test_tied_embeddings_counted_once_without_pipeline_and_twice_with():
+    import dataclasses
+
+    m = dataclasses.replace(model("tiny"), tie_embeddings=True)
+    assert total_params(m) == 1_787_008 - 524_288
+    assert stage_params(m, stage=0, pp=1) == 1_787_008 - 524_288
+    # With pp > 1 the last stage holds its own copy of the shared matrix (Megatron-LM does).
+    assert stage_params(m, stage=1, pp=2) == 2 * 184_576 + 128 + 524_288

@@ -1,0 +1,159 @@
+"""The one validation (each rule explains its arithmetic), canonical form and config_id."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from conftest import model, spec
+
+from harness.specs import (
+    DeviceSpec,
+    InvalidSpec,
+    ParallelSpec,
+    RunSpec,
+    TrainSpec,
+    canonical,
+    config_id,
+    flat,
+    from_dict,
+    problems,
+)
+
+
+def raw(model_name="tiny", **kw) -> RunSpec:
+    """A spec that is not validated (so impossible layouts can be built)."""
+    par = {k[9:]: v for k, v in kw.items() if k.startswith("parallel_")}
+    train = {k[6:]: v for k, v in kw.items() if k.startswith("train_")}
+    return RunSpec(model(model_name), ParallelSpec(**par), TrainSpec(**train), DeviceSpec("cpu", 1.0))
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        # tiny: 4 heads, 2 KV heads, 4 layers, ffn 352, vocab 4096.
+        (
+            dict(parallel_dp=2, parallel_tp=2, parallel_world_size=8),
+            "dp·tp·pp·cp = 2·2·1·1 = 4 ≠ world_size 8",
+        ),
+        (
+            dict(parallel_dp=None, parallel_tp=4, parallel_world_size=6),
+            "world_size 6 is not divisible by tp·pp·cp = 4·1·1 = 4",
+        ),
+        (dict(parallel_tp=3), "num_heads 4 % tp 3 = 1 ≠ 0"),
+        (dict(parallel_tp=4), "num_kv_heads 2 % tp 4 = 2 ≠ 0"),
+        (
+            dict(parallel_pp=3, train_num_microbatches=3),
+            "num_layers 4 % (pp·virtual_stages = 3·1 = 3) = 1 ≠ 0",
+        ),
+        (
+            dict(
+                parallel_pp=2,
+                parallel_pp_schedule="interleaved_1f1b",
+                parallel_virtual_stages=4,
+                train_num_microbatches=2,
+            ),
+            "num_layers 4 % (pp·virtual_stages = 2·4 = 8) = 4 ≠ 0",
+        ),
+        (dict(parallel_pp=4, train_num_microbatches=2), "1f1b needs num_microbatches >= pp: 2 < 4"),
+        (
+            dict(
+                parallel_pp=2,
+                parallel_pp_schedule="interleaved_1f1b",
+                parallel_virtual_stages=2,
+                train_num_microbatches=3,
+            ),
+            "interleaved_1f1b needs num_microbatches % pp = 0: 3 % 2 = 1",
+        ),
+        (dict(parallel_virtual_stages=2), "virtual_stages 2 > 1 needs pp_schedule=interleaved_1f1b"),
+        (dict(parallel_cp=2, train_seq_len=258), "seq_len 258 % (2·cp = 4) = 2 ≠ 0"),
+        (
+            dict(parallel_cp=3, parallel_cp_load_balance=False, train_seq_len=256),
+            "seq_len 256 % (cp = 3) = 1 ≠ 0",
+        ),
+        (dict(parallel_tp=2, train_seq_len=255), "(seq_len/cp) % tp = 0: (255/1) % 2 = 1"),
+        (dict(parallel_zero_stage=4), "parallel.zero_stage=4 must be 0, 1, 2 or 3"),
+        (dict(train_seq_len=-8), "train.seq_len=-8 must be >= 1"),
+        (dict(train_recompute="some"), "train.recompute='some' must be one of none, selective, full"),
+        (dict(parallel_tp="2"), "parallel.tp='2' must be int"),
+        (dict(parallel_sequence_parallel=1), "parallel.sequence_parallel=1 must be bool"),
+    ],
+)
+def test_each_rule_explains_its_arithmetic(kw, message):
+    reasons = problems(raw(**kw))
+    assert any(message in r for r in reasons), reasons
+    with pytest.raises(InvalidSpec) as info:
+        canonical(raw(**kw))
+    assert message in str(info.value)
+
+
+def test_all_reasons_are_reported_together():
+    reasons = problems(raw(parallel_tp=3, parallel_pp=3, train_num_microbatches=3))
+    assert len(reasons) >= 2
+
+
+def test_valid_spec_has_no_problems():
+    assert problems(raw(parallel_dp=2, parallel_tp=2, parallel_pp=2, train_num_microbatches=2)) == []
+
+
+def test_canonical_resolves_dp_and_microbatches_and_resets_fields_without_effect():
+    s = canonical(
+        raw(
+            parallel_dp=None,
+            parallel_world_size=8,
+            parallel_tp=2,
+            parallel_pp=2,
+            parallel_sequence_parallel=True,
+        )
+    )
+    assert (s.parallel.dp, s.parallel.world_size, s.train.num_microbatches) == (2, 8, 2)
+    single = canonical(raw(parallel_sequence_parallel=True, parallel_cp_load_balance=True))
+    assert single.parallel.sequence_parallel is False  # tp = 1
+    assert single.parallel.cp_load_balance is False  # cp = 1
+
+
+def test_config_id_is_stable_and_ignores_spelling():
+    a = raw(parallel_dp=2, parallel_tp=2)
+    b = raw(parallel_dp=None, parallel_world_size=4, parallel_tp=2)
+    assert config_id(a) == config_id(b)
+    # Sequence parallel has no effect without tp: same run, same id.
+    assert config_id(raw(parallel_sequence_parallel=True)) == config_id(raw(parallel_sequence_parallel=False))
+    # Preset names are not hashed, the shapes are.
+    renamed = dataclasses.replace(a, model=dataclasses.replace(a.model, name="other"))
+    assert config_id(renamed) == config_id(a)
+    # Anything that changes the run changes the id.
+    assert config_id(raw(parallel_dp=2, parallel_tp=2, parallel_zero_stage=1)) != config_id(a)
+    assert config_id(raw(parallel_dp=2, parallel_tp=2, train_seq_len=512)) != config_id(a)
+    # Pinned: existing results are found by this id. If this changes, bump CONFIG_ID_VERSION.
+    assert config_id(raw()) == PINNED_TINY_ID
+
+
+PINNED_TINY_ID = "e87f72fa4b36e12f"
+
+
+def test_flat_names_are_the_record_columns():
+    row = flat(spec("tiny"))
+    for col in (
+        "model_hidden_size",
+        "parallel_tp",
+        "parallel_zero_stage",
+        "train_seq_len",
+        "device_memory_gib",
+    ):
+        assert col in row
+
+
+def test_from_dict_rejects_unknown_and_missing_keys():
+    with pytest.raises(InvalidSpec, match=r"unknown key parallel\.tpp"):
+        from_dict(
+            {
+                "model": dataclasses.asdict(model("tiny")),
+                "parallel": {"tpp": 2},
+                "train": {},
+                "device": {"name": "cpu", "memory_gib": 1.0},
+            }
+        )
+    with pytest.raises(InvalidSpec, match=r"missing key model\.hidden_size"):
+        from_dict(
+            {"model": {"name": "x"}, "parallel": {}, "train": {}, "device": {"name": "cpu", "memory_gib": 1}}
+        )
