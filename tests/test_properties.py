@@ -97,7 +97,11 @@ def test_more_pipeline_stages_never_cost_memory(spec):
 @given(specs(PUBLISHED))
 def test_higher_zero_stage_never_costs_memory(spec):
     assume(spec.parallel.zero_stage < 3)
-    assume(spec.parallel.dp * spec.parallel.cp >= 2)  # a group of one has nothing to shard
+    p = spec.parallel
+    assume(p.dp * p.cp >= 2)  # a group of one has nothing to shard
+    # ZeRO-3 trades sharded weights for two unsharded layers and the root, all-gathered: it pays only
+    # when a stage holds enough layers (pinned below for 4 layers a stage).
+    assume(p.zero_stage < 2 or spec.model.num_layers // p.pp >= 8)
     # torch in FP32 only for megatron: FSDP2 without resharding keeps FP32 unsharded weights beside
     # the shards, so its "ZeRO-2" is no smaller than DDP + sharded optimizer at d·c = 2 (pinned below).
     engines = ENGINES if spec.train.precision == "bf16" else ("megatron",)
@@ -200,3 +204,21 @@ def test_interleaved_stage0_activations_grow_with_pipeline_depth():
     acts = [estimate(x, engine="megatron").stages[0].terms["activations"] for x in (s, deeper)]
     assert acts[1] * 1.25 == acts[0] * 1.375
     assert _total(s, "megatron", pp=4) > _total(s, "megatron")
+
+
+def test_zero3_loses_when_a_stage_holds_few_layers():
+    # Found by the property test: Llama-2-7B, pp 8 (4 layers a stage), cp 2 (d·c = 2), megatron BF16.
+    # Sharding the 2-byte weights over 2 saves N = 4·202 M + 131 M (embedding) bytes on stage 0; the
+    # current and prefetched layers plus the root, all-gathered in BF16, cost 2·(2·202 M + 131 M).
+    s = canonical(RunSpec(model("llama2_7b"), ParallelSpec(pp=8, cp=2, pp_schedule="gpipe", zero_stage=2),
+                          TrainSpec(num_microbatches=1), device("h100_80gb")))
+    assert _total(s, "megatron", zero_stage=3) > _total(s, "megatron")
+
+
+@settings(deadline=None)
+@given(specs(), st.sampled_from(ENGINES))
+def test_cached_partial_sums_equal_the_one_sum(spec, engine):
+    from harness.estimate.core import peak_bytes
+
+    for stage in estimate(spec, engine=engine).stages:
+        assert stage.total_bytes == peak_bytes(stage.terms)

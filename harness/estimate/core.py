@@ -50,14 +50,16 @@ def peak_bytes(terms: dict[str, int]) -> int:
 
 @dataclass(frozen=True)
 class StageEstimate:
-    """Bytes of every term on one rank of pipeline stage ``stage`` (all terms present, zeros included)."""
+    """Bytes of every term on one rank of pipeline stage ``stage`` (all terms present, zeros included)
+    and their peak, ``peak_bytes(terms)``."""
 
     stage: int
     terms: dict[str, int]
-    total_bytes: int = field(init=False)
+    total_bytes: int
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "total_bytes", peak_bytes(self.terms))
+    @classmethod
+    def of(cls, stage: int, terms: dict[str, int]) -> StageEstimate:
+        return cls(stage, terms, peak_bytes(terms))
 
 
 @dataclass(frozen=True)
@@ -119,18 +121,22 @@ class Estimate:
         return out
 
 
-# Two halves of a stage's terms, cached: ``plan`` evaluates tens of thousands of layouts that share
-# them (model states do not depend on the training shape, activations not on the ZeRO stage or dp).
-# Positional arguments only: lru_cache builds its key faster without keywords.
+# Two halves of a stage's terms, cached with their partial sums: ``plan`` evaluates tens of thousands
+# of layouts that share them (model states do not depend on the training shape, activations not on the
+# ZeRO stage or dp). Positional arguments only: lru_cache builds its key faster without keywords.
+Items = tuple[tuple[str, int], ...]
+
+
 @lru_cache(maxsize=65536)
 def _state_terms(
     m: ModelSpec, stage: int, pp: int, tp: int, shards: int, zero: int, precision: str, engine: str
-) -> tuple[tuple[str, int], ...]:
+) -> tuple[Items, int, int, int]:
+    """(items, states sum, forward/backward buffers sum, optimizer-step sum)."""
     n = stage_params(m, stage=stage, pp=pp, tp=tp)
     states = (st.megatron_states if engine == "megatron" else st.torch_states)(
         n, zero_stage=zero, shards=shards, precision=precision
     )
-    return (
+    items = (
         *states.items(),
         ("param_copies", st.param_copies(n, zero_stage=zero, precision=precision, engine=engine)),
         (
@@ -141,12 +147,20 @@ def _state_terms(
         ("ddp_bucket", buf.ddp_bucket(n, zero_stage=zero, shards=shards, engine=engine)),
         ("optimizer_step", buf.optimizer_step(n, zero_stage=zero, shards=shards, engine=engine)),
     )
+    d = dict(items)
+    return (
+        items,
+        sum(d[k] for k in STATE_TERMS),
+        sum(d[k] for k in BUFFER_TERMS if k in d),
+        sum(d[k] for k in STEP_TERMS),
+    )
 
 
 @lru_cache(maxsize=65536)
 def _activation_terms(
     m: ModelSpec, t: TrainSpec, stage: int, engine: str, layout: tuple
-) -> tuple[tuple[str, int], ...]:
+) -> tuple[Items, int]:
+    """(items, their sum: all are forward/backward terms)."""
     tp, pp, cp, sp, schedule, v, balance = layout
     # Activations depend on neither dp nor the ZeRO stage: they are not part of the key.
     p = ParallelSpec(
@@ -160,7 +174,7 @@ def _activation_terms(
         virtual_stages=v,
         cp_load_balance=balance,
     )
-    return (
+    items = (
         ("activations", act.stage_layer_activations(m, p, t, stage=stage, engine=engine)),
         ("token_ids", act.token_ids(p, t, stage=stage, engine=engine)),
         ("output_activations", act.output_activations(m, p, t, stage=stage, engine=engine)),
@@ -170,13 +184,18 @@ def _activation_terms(
         ("cp_kv_allgather", buf.cp_kv_allgather(m, p, t)),
         ("loss", buf.loss(m, p, t, stage=stage)),
     )
+    return items, sum(v for _, v in items)
 
 
-def _stage_terms(spec: RunSpec, stage: int, engine: str) -> dict[str, int]:
+def _stage(spec: RunSpec, stage: int, engine: str) -> StageEstimate:
+    """One stage's terms and peak (= ``peak_bytes(terms)``, from the cached partial sums)."""
     m, p, t = spec.model, spec.parallel, spec.train
-    states = _state_terms(m, stage, p.pp, p.tp, p.dp * p.cp, p.zero_stage, t.precision, engine)
+    s_items, states, buffers, step = _state_terms(
+        m, stage, p.pp, p.tp, p.dp * p.cp, p.zero_stage, t.precision, engine
+    )
     layout = (p.tp, p.pp, p.cp, p.sequence_parallel, p.pp_schedule, p.virtual_stages, p.cp_load_balance)
-    return dict(states + _activation_terms(m, t, stage, engine, layout))
+    a_items, activations = _activation_terms(m, t, stage, engine, layout)
+    return StageEstimate(stage, dict(s_items + a_items), states + max(buffers + activations, step))
 
 
 def estimate(spec: RunSpec, *, engine: str = "torch") -> Estimate:
@@ -212,6 +231,6 @@ def estimate_canonical(
         terms = dict.fromkeys(TERMS, 0)
         terms.update(paper_terms(spec.model, spec.parallel, spec.train))
         note = "paper: closed form for the first stage; ignores " + ", ".join(IGNORED_FIELDS)
-        return Estimate(spec, engine, (StageEstimate(0, terms),), flops, notes=(note,))
+        return Estimate(spec, engine, (StageEstimate.of(0, terms),), flops, notes=(note,))
     ids = range(spec.parallel.pp) if stages is None else stages
-    return Estimate(spec, engine, tuple(StageEstimate(i, _stage_terms(spec, i, engine)) for i in ids), flops)
+    return Estimate(spec, engine, tuple(_stage(spec, i, engine) for i in ids), flops)

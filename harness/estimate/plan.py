@@ -36,15 +36,18 @@ class PlanOptions:
 @dataclass(frozen=True)
 class PlanRow:
     estimate: Estimate
-    cost: Cost
+    cost: Cost | None  # computed for fitting layouts only: the others are not ranked by speed
     fits: bool
 
     def sort_key(self) -> tuple:
-        """Fitting layouts first, then by step-time proxy (or, where the device has no peak and link
-        figures, by compute overhead — recomputation and bubble — then traffic), then by memory."""
+        """Fitting layouts first, by step-time proxy (or, where the device has no peak and link
+        figures, by compute overhead — recomputation and bubble — then traffic), then by memory;
+        the others by memory."""
         c = self.cost
+        if c is None:
+            return (True, math.inf, math.inf, math.inf, self.estimate.total_bytes)
         time_key = c.step_time_s if not math.isnan(c.step_time_s) else math.inf
-        return (not self.fits, time_key, c.compute_factor, c.comm_bytes, self.estimate.total_bytes)
+        return (False, time_key, c.compute_factor, c.comm_bytes, self.estimate.total_bytes)
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,7 @@ def plan(base: RunSpec, opts: PlanOptions) -> PlanResult:
             invalid += 1
             continue
         est = estimate_canonical(spec, engine=opts.engine, stages=dominant_stages(spec.parallel.pp))
-        rows.append(PlanRow(est, cost(spec), est.utilisation <= opts.threshold))
+        fits = est.utilisation <= opts.threshold
+        rows.append(PlanRow(est, cost(spec) if fits else None, fits))
     rows.sort(key=PlanRow.sort_key)
     return PlanResult(tuple(rows), considered, invalid)
