@@ -9,7 +9,10 @@ interleaved) and prints the median of the repeats, configurations per second, an
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
+import subprocess
+import sys
 import time
 
 from harness.cli.config import compose, run_spec
@@ -28,9 +31,12 @@ def main() -> None:
     opts = PlanOptions(gpus=args.gpus)
     times = []
     for _ in range(args.repeats):
-        # Cold caches every time: each repeat is a fresh `harness plan` invocation's work.
+        # Each repeat is a fresh `harness plan` invocation's work: cold caches, and the previous
+        # result released (alive, its ~10^5 objects would make every garbage-collection pass slower).
         _state_terms.cache_clear()
         _activation_terms.cache_clear()
+        result = None
+        gc.collect()
         start = time.perf_counter()
         result = plan(base, opts)
         times.append(time.perf_counter() - start)
@@ -49,6 +55,25 @@ def main() -> None:
         f"{len(result.rows) / med:,.0f} estimated"
     )
     print(f"  target: all layouts in under 1 s -> {'met' if med < 1.0 else 'NOT met'}")
+
+    # The whole command as a user runs it: interpreter start, imports, Hydra composition, plan, output.
+    cmd = [
+        sys.executable,
+        "-m",
+        "harness",
+        "plan",
+        f"model={args.model}",
+        "device=h100_80gb",
+        "train.seq_len=8192",
+        f"plan.gpus={args.gpus}",
+        "format=json",
+    ]
+    walls = []
+    for _ in range(3):
+        start = time.perf_counter()
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        walls.append(time.perf_counter() - start)
+    print(f"  `harness plan ... format=json` end to end: median {statistics.median(walls):.2f} s over 3 runs")
 
 
 if __name__ == "__main__":

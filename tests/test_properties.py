@@ -210,8 +210,14 @@ def test_zero3_loses_when_a_stage_holds_few_layers():
     # Found by the property test: Llama-2-7B, pp 8 (4 layers a stage), cp 2 (d·c = 2), megatron BF16.
     # Sharding the 2-byte weights over 2 saves N = 4·202 M + 131 M (embedding) bytes on stage 0; the
     # current and prefetched layers plus the root, all-gathered in BF16, cost 2·(2·202 M + 131 M).
-    s = canonical(RunSpec(model("llama2_7b"), ParallelSpec(pp=8, cp=2, pp_schedule="gpipe", zero_stage=2),
-                          TrainSpec(num_microbatches=1), device("h100_80gb")))
+    s = canonical(
+        RunSpec(
+            model("llama2_7b"),
+            ParallelSpec(pp=8, cp=2, pp_schedule="gpipe", zero_stage=2),
+            TrainSpec(num_microbatches=1),
+            device("h100_80gb"),
+        )
+    )
     assert _total(s, "megatron", zero_stage=3) > _total(s, "megatron")
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 from harness.estimate import activations as act
 from harness.estimate import buffers as buf
@@ -48,10 +48,10 @@ def peak_bytes(terms: dict[str, int]) -> int:
     return sum(map(get, STATE_TERMS)) + max(sum(map(get, _FWD_BWD_TERMS)), sum(map(get, STEP_TERMS)))
 
 
-@dataclass(frozen=True)
-class StageEstimate:
+class StageEstimate(NamedTuple):
     """Bytes of every term on one rank of pipeline stage ``stage`` (all terms present, zeros included)
-    and their peak, ``peak_bytes(terms)``."""
+    and their peak, ``peak_bytes(terms)``. A NamedTuple, not a frozen dataclass: ``plan`` creates tens
+    of thousands, and a frozen dataclass's ``__init__`` costs several times more."""
 
     stage: int
     terms: dict[str, int]

@@ -13,8 +13,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from harness.estimate.comm import Cost, cost
-from harness.estimate.core import Estimate, dominant_stages, estimate_canonical
-from harness.specs import InvalidSpec, ParallelSpec, RunSpec, layout_problems, type_problems
+from harness.estimate.core import ENGINES, Estimate, dominant_stages, estimate_canonical
+from harness.specs import (
+    PP_SCHEDULES,
+    RECOMPUTE,
+    InvalidSpec,
+    ParallelSpec,
+    RunSpec,
+    layout_problems,
+    type_problems,
+)
 
 
 @dataclass(frozen=True)
@@ -31,6 +39,30 @@ class PlanOptions:
     max_tp: int = 8
     threshold: float = 0.8
     engine: str = "torch"
+
+    def __post_init__(self) -> None:
+        bad = []
+        if self.gpus < 1 or self.max_tp < 1:
+            bad.append(f"plan.gpus={self.gpus} and plan.max_tp={self.max_tp} must be >= 1")
+        if self.global_batch_size is not None and self.global_batch_size < 1:
+            bad.append(f"plan.global_batch_size={self.global_batch_size} must be >= 1 or null")
+        checks = (
+            ("micro_batch_sizes", self.micro_batch_sizes, lambda x: isinstance(x, int) and x >= 1),
+            ("zero_stages", self.zero_stages, lambda x: x in (0, 1, 2, 3)),
+            ("recompute", self.recompute, lambda x: x in RECOMPUTE),
+            ("pp_schedules", self.pp_schedules, lambda x: x in PP_SCHEDULES),
+            ("virtual_stages", self.virtual_stages, lambda x: isinstance(x, int) and x >= 2),
+        )
+        for name, values, ok in checks:
+            wrong = [v for v in values if not ok(v)]
+            if not values or wrong:
+                bad.append(f"plan.{name}={list(values)} has invalid or no values {wrong}")
+        if not self.threshold > 0:
+            bad.append(f"threshold={self.threshold} must be > 0")
+        if self.engine not in ENGINES:
+            bad.append(f"engine {self.engine!r} must be one of {', '.join(ENGINES)}")
+        if bad:
+            raise ValueError("; ".join(bad))
 
 
 @dataclass(frozen=True)
@@ -65,9 +97,11 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(base: RunSpec, opts: PlanOptions) -> Iterator[RunSpec]:
+def candidate_groups(base: RunSpec, opts: PlanOptions) -> Iterator[list[RunSpec]]:
     """Every combination of the options for ``opts.gpus`` devices (valid or not), each already in
-    canonical form (world_size set, fields without effect at their canonical values)."""
+    canonical form (world_size set, fields without effect at their canonical values), in groups that
+    differ only in ZeRO stage and recomputation — which, within the ranges PlanOptions checks, never
+    decide whether a layout is possible, so ``plan`` validates each group once."""
     gbs = opts.global_batch_size or opts.gpus
     t = base.train
     for tp in _divisors(opts.gpus):
@@ -95,6 +129,7 @@ def candidates(base: RunSpec, opts: PlanOptions) -> Iterator[RunSpec]:
                         for rc in opts.recompute
                     ]
                     for schedule, v in schedules:
+                        group = []
                         for zero in opts.zero_stages:
                             # Built field by field (dataclasses.replace costs ~10 µs a call, and this
                             # loop runs tens of thousands of times for a 1,024-GPU plan).
@@ -110,8 +145,14 @@ def candidates(base: RunSpec, opts: PlanOptions) -> Iterator[RunSpec]:
                                 cp_load_balance=cp > 1,
                                 world_size=opts.gpus,
                             )
-                            for train in trains:
-                                yield RunSpec(base.model, par, train, base.device)
+                            group += [RunSpec(base.model, par, train, base.device) for train in trains]
+                        yield group
+
+
+def candidates(base: RunSpec, opts: PlanOptions) -> Iterator[RunSpec]:
+    """Every candidate of :func:`candidate_groups`, one by one."""
+    for group in candidate_groups(base, opts):
+        yield from group
 
 
 def plan(base: RunSpec, opts: PlanOptions) -> PlanResult:
@@ -120,13 +161,15 @@ def plan(base: RunSpec, opts: PlanOptions) -> PlanResult:
     if wrong_types:
         raise InvalidSpec(wrong_types)
     rows, considered, invalid = [], 0, 0
-    for spec in candidates(base, opts):
-        considered += 1
-        if layout_problems(spec):
-            invalid += 1
+    for group in candidate_groups(base, opts):
+        considered += len(group)
+        if layout_problems(group[0]):
+            invalid += len(group)
             continue
-        est = estimate_canonical(spec, engine=opts.engine, stages=dominant_stages(spec.parallel.pp))
-        fits = est.utilisation <= opts.threshold
-        rows.append(PlanRow(est, cost(spec) if fits else None, fits))
+        stages = dominant_stages(group[0].parallel.pp)
+        for spec in group:
+            est = estimate_canonical(spec, engine=opts.engine, stages=stages)
+            fits = est.utilisation <= opts.threshold
+            rows.append(PlanRow(est, cost(spec) if fits else None, fits))
     rows.sort(key=PlanRow.sort_key)
     return PlanResult(tuple(rows), considered, invalid)
