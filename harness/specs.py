@@ -331,6 +331,13 @@ def config_id(spec: RunSpec) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def raw_id(spec: RunSpec) -> str:
+    """An id for a spec that may be invalid: the hash of its fields as given (prefixed ``x``), so an
+    invalid point's row is found again on resume."""
+    text = json.dumps({"v": CONFIG_ID_VERSION, **dataclasses.asdict(spec)}, sort_keys=True, default=str)
+    return "x" + hashlib.sha256(text.encode()).hexdigest()[:15]
+
+
 def from_dict(data: dict[str, Any]) -> RunSpec:
     """Build a RunSpec from plain nested dicts (the CLI's composed config); unknown keys are an error."""
     built = {}

@@ -1,0 +1,136 @@
+"""The run record: one flat dict per point, whatever happened, with a schema version. No torch here.
+
+Column names are the public contract of ARCHITECTURE.md: every spec field by its dotted name with ``_``
+(``parallel_tp``), ``config_id``, ``status``, measured fields, the estimator's terms as
+``est_<term>_bytes``, environment fields and ``schema_version``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from harness import __version__
+from harness.estimate import TERMS, estimate
+from harness.estimate.core import FLOPS_CONVENTION
+from harness.estimate.flops import model_flops_per_step, peak_tflops_for
+from harness.specs import RunSpec, canonical, config_id, flat, raw_id
+
+SCHEMA_VERSION = 1
+STATUSES = ("ok", "oom", "timeout", "crash", "invalid", "skipped_predicted_oom")
+
+
+def git_revision() -> str | None:
+    """The source tree's commit, when it is a git checkout (None otherwise)."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
+            capture_output=True, text=True, timeout=5, check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def environment(device_name: str | None = None) -> dict[str, Any]:
+    import importlib.metadata as md
+
+    try:
+        torch_version = md.version("torch")
+    except md.PackageNotFoundError:
+        torch_version = None
+    return {
+        "env_torch_version": torch_version,
+        "env_python_version": platform.python_version(),
+        "env_harness_version": __version__,
+        "env_host": socket.gethostname(),
+        "env_git_revision": git_revision(),
+        "env_device_name": device_name,
+        "env_cpu_count": os.cpu_count(),
+    }
+
+
+def estimate_fields(spec: RunSpec) -> dict[str, Any]:
+    """The torch engine's terms for the same spec (worst stage), for calibration."""
+    est = estimate(spec, engine="torch")
+    out = {f"est_{k}_bytes": est.worst.terms[k] for k in TERMS}
+    out["est_total_bytes"] = est.total_bytes
+    out["est_worst_stage"] = est.worst.stage
+    out["est_utilisation"] = est.utilisation
+    return out
+
+
+def base_record(spec: RunSpec) -> dict[str, Any]:
+    """Spec columns, config_id and the estimate (the estimate only for a valid spec)."""
+    try:
+        spec = canonical(spec)
+        cid, valid = config_id(spec), True
+    except ValueError:
+        cid, valid = raw_id(spec), False
+    row: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "config_id": cid, **flat(spec)}
+    if valid:
+        row.update(estimate_fields(spec))
+    return row
+
+
+def invalid_record(spec: RunSpec, reason: str) -> dict[str, Any]:
+    return {**base_record(spec), **environment(), "status": "invalid", "error": reason}
+
+
+def finish_record(
+    spec: RunSpec,
+    ranks: list[dict[str, Any]],
+    *,
+    status: str,
+    error: str | None,
+    error_rank: int | None,
+    exit_code: int | None,
+    wall_s: float,
+    device_name: str,
+) -> dict[str, Any]:
+    """Assemble the record of a launched point from every rank's numbers."""
+    spec = canonical(spec)
+    row = {**base_record(spec), **environment(device_name)}
+    row.update(status=status, error=error, error_rank=error_rank, exit_code=exit_code, wall_s=wall_s)
+    done = [r for r in ranks if "peak_allocated_bytes" in r]
+    row["per_rank_peak_bytes"] = [r.get("peak_allocated_bytes") for r in sorted(ranks, key=lambda r: r["rank"])]
+    row["oom_source"] = None
+    if done:
+        worst = max(done, key=lambda r: r["peak_allocated_bytes"])
+        row["peak_allocated_bytes"] = worst["peak_allocated_bytes"]
+        row["worst_rank"] = worst["rank"]
+        row["memory_method"] = worst["memory_method"]
+        for key in ("peak_reserved_bytes", "peak_active_bytes", "device_used_bytes", "num_alloc_retries", "num_ooms"):
+            values = [r[key] for r in done if key in r]
+            row[key] = max(values) if values else None
+        for name, value in worst.get("categories", {}).items():
+            row[f"mem_{name}_bytes"] = value
+        step = max(r["step_time_s"] for r in done)
+        losses = done[0]["losses"]
+        row.update(step_time_s=step, loss=losses[-1] if losses else None, losses=losses)
+        flops = model_flops_per_step(spec, convention=FLOPS_CONVENTION)
+        row["model_flops_per_step"] = flops
+        row["flops_convention"] = FLOPS_CONVENTION
+        row["tokens_per_s"] = spec.global_batch_size * spec.train.seq_len / step
+        row["tflops_per_device"] = flops / (step * spec.parallel.world) / 1e12
+        cpu_peak = next((r["cpu_peak_tflops"] for r in done if "cpu_peak_tflops" in r), None)
+        peak = cpu_peak if spec.device.name == "cpu" else (spec.device.peak_tflops or peak_tflops_for(device_name))
+        row["mfu_reference_tflops"] = peak
+        row["mfu"] = row["tflops_per_device"] / peak if peak and not math.isnan(peak) else math.nan
+        if status == "ok" and spec.device.name == "cpu" and worst["peak_allocated_bytes"] > spec.device.memory_bytes:
+            # Out of memory on CPU is simulated against the preset's capacity; the peak is kept.
+            row["status"] = "oom"
+            row["oom_source"] = "simulated"
+            row["error"] = (
+                f"simulated: peak {worst['peak_allocated_bytes']} B on rank {worst['rank']} > capacity "
+                f"{spec.device.memory_bytes} B ({spec.device.memory_gib} GiB)"
+            )
+    if status == "oom":
+        row["oom_source"] = "cuda"
+    return row

@@ -1,0 +1,131 @@
+"""A Llama-architecture decoder (RMSNorm, RoPE, GQA attention through SDPA, SwiGLU), no parallel code.
+
+Module names follow torchtitan's (``tok_embeddings``, ``layers.<i>.attention.wq``, ``feed_forward.w1``,
+``norm``, ``output``) so that the tensor-parallel plan reads like theirs. Layers live in a ModuleDict
+keyed by their global index, so a pipeline stage is the model with other layers deleted. Attention's
+core (``Attention.core``) and its rotary tables (``Attention.rope_cos/sin``, one row per local token
+position) are attributes that context parallelism swaps; nothing here knows about it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harness.specs import ModelSpec
+
+
+def rope_tables(seq_len: int, head_dim: int, *, theta: float = 500_000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Real-valued RoPE tables (cos, sin) of shape (seq_len, head_dim), Llama 3's base."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([-b, a], dim=-1)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The default attention core: causal SDPA over (batch, heads, seq, head_dim), GQA without copies."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, m: ModelSpec, seq_len: int):
+        super().__init__()
+        self.head_dim = m.hidden_size // m.num_heads
+        kv_width = self.head_dim * m.num_kv_heads
+        self.wq = nn.Linear(m.hidden_size, m.hidden_size, bias=False)
+        self.wk = nn.Linear(m.hidden_size, kv_width, bias=False)
+        self.wv = nn.Linear(m.hidden_size, kv_width, bias=False)
+        self.wo = nn.Linear(m.hidden_size, m.hidden_size, bias=False)
+        cos, sin = rope_tables(seq_len, self.head_dim)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.core = causal_attention
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # -1 heads: under tensor parallelism this rank sees only its heads.
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        cos, sin = self.rope_cos[:s].to(q.dtype), self.rope_sin[:s].to(q.dtype)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        out = self.core(q, k, v)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, m: ModelSpec):
+        super().__init__()
+        self.w1 = nn.Linear(m.hidden_size, m.ffn_hidden_size, bias=False)
+        self.w2 = nn.Linear(m.ffn_hidden_size, m.hidden_size, bias=False)
+        self.w3 = nn.Linear(m.hidden_size, m.ffn_hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, m: ModelSpec, seq_len: int):
+        super().__init__()
+        self.attention_norm = RMSNorm(m.hidden_size)
+        self.attention = Attention(m, seq_len)
+        self.ffn_norm = RMSNorm(m.hidden_size)
+        self.feed_forward = FeedForward(m)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    """Token ids (batch, seq) → logits (batch, seq, vocab). Any of ``tok_embeddings``, ``norm`` and
+    ``output`` may be None (a pipeline stage), in which case the input or output is hidden states."""
+
+    def __init__(self, m: ModelSpec, *, seq_len: int):
+        super().__init__()
+        self.spec = m
+        self.tok_embeddings: nn.Module | None = nn.Embedding(m.vocab_size, m.hidden_size)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(m, seq_len) for i in range(m.num_layers)})
+        self.norm: nn.Module | None = RMSNorm(m.hidden_size)
+        self.output: nn.Module | None = nn.Linear(m.hidden_size, m.vocab_size, bias=False)
+        if m.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Deterministic, scale-aware initialisation (std 0.02; output projections scaled by depth)."""
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+            elif name.endswith(("wo.weight", "w2.weight")):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.spec.num_layers))
+            else:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        for layer in self.layers.values():
+            h = layer(h)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h

@@ -1,0 +1,156 @@
+"""Apply the parallelisms to one rank's model in a fixed order, and run one training step.
+
+Order (torchtitan's, STYLE.md 5): pipeline split first, then tensor parallel, context parallel,
+activation recomputation, and data parallel / FSDP last, so that each wrapper sees the modules the
+previous one produced. The mesh is (pp, dp, cp, tp), innermost tp: tp ranks are adjacent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import loss_parallel
+
+from harness.runner.parallel.context import apply_cp
+from harness.runner.parallel.data import apply_ddp, apply_fsdp, make_optimizer
+from harness.runner.parallel.pipeline import build_schedule, split_stage, stage_ids
+from harness.runner.parallel.recompute import apply_recompute
+from harness.runner.parallel.tensor import apply_tp
+from harness.specs import RunSpec
+
+MESH_DIMS = ("pp", "dp", "cp", "tp")
+LEARNING_RATE = 1e-3
+ADAM_EPS = 1e-8  # the correctness tests raise it: see tests/test_runner_parallel.py
+
+
+@dataclass
+class Parallelized:
+    """One rank's share of the job: its stage module(s), optimizer and, with pp > 1, the schedule."""
+
+    modules: list[nn.Module]
+    optimizer: torch.optim.Optimizer
+    schedule: object | None
+    is_first: bool
+    is_last: bool
+    loss_parallel: bool
+    autocast_dtype: torch.dtype | None
+    positions: torch.Tensor | None = None
+    zero_stage: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy, computed in FP32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch.device) -> Parallelized:
+    p, t = spec.parallel, spec.train
+    bf16 = t.precision == "bf16"
+    dp_cp = mesh["dp", "cp"]._flatten("dp_cp") if p.dp * p.cp > 1 else None
+    pp_rank = mesh["pp"].get_local_rank()
+    num_stages = p.pp * p.virtual_stages
+    ids = stage_ids(pp_rank=pp_rank, pp=p.pp, virtual_stages=p.virtual_stages) if p.pp > 1 else [0]
+    modules = [split_stage(model, stage=i, num_stages=num_stages) for i in ids] if p.pp > 1 else [model]
+    # Vocabulary-sharded logits straight into the loss, except under pipelining, whose stages send
+    # and return plain tensors: there the head's output is gathered.
+    use_loss_parallel = p.tp > 1 and p.pp == 1
+    positions = None
+    for mod in modules:
+        mod.to(device)
+        if p.tp > 1:
+            apply_tp(mod, mesh["tp"], sequence_parallel=p.sequence_parallel, loss_parallel=use_loss_parallel)
+        if p.cp > 1:
+            positions = apply_cp(mod, mesh["cp"], seq_len=t.seq_len, load_balance=p.cp_load_balance)
+        apply_recompute(mod, mode=t.recompute)
+    if p.zero_stage >= 2 and dp_cp is not None:
+        for mod in modules:
+            apply_fsdp(
+                mod,
+                dp_cp,
+                reshard_after_forward=p.zero_stage == 3,
+                param_dtype=torch.bfloat16 if bf16 else torch.float32,
+            )
+    elif dp_cp is not None:
+        modules = [apply_ddp(mod, dp_cp, tensor_parallel=p.tp > 1) for mod in modules]
+    params = [q for mod in modules for q in mod.parameters()]
+    optimizer = make_optimizer(params, zero_stage=p.zero_stage, mesh=dp_cp, lr=LEARNING_RATE, eps=ADAM_EPS)
+    schedule = None
+    if p.pp > 1:
+        schedule = build_schedule(
+            modules,
+            [i for i in ids],
+            num_stages=num_stages,
+            group=mesh["pp"].get_group(),
+            device=device,
+            schedule=p.pp_schedule,
+            num_microbatches=t.num_microbatches,
+            loss_fn=loss_fn,
+        )
+    # FSDP2 casts parameters itself; DDP and single-rank BF16 runs use autocast.
+    autocast = torch.bfloat16 if (bf16 and not (p.zero_stage >= 2 and dp_cp is not None)) else None
+    return Parallelized(
+        modules=modules,
+        optimizer=optimizer,
+        schedule=schedule,
+        is_first=0 in ids,
+        is_last=num_stages - 1 in ids,
+        loss_parallel=use_loss_parallel,
+        autocast_dtype=autocast,
+        positions=positions,
+        zero_stage=p.zero_stage,
+    )
+
+
+def _sync_context(module: nn.Module, *, last: bool):
+    """Skip the gradient reduction of all but the last micro-batch (gradient accumulation)."""
+    if hasattr(module, "set_requires_gradient_sync"):  # FSDP2
+        module.set_requires_gradient_sync(last)
+    elif hasattr(module, "no_sync") and not last:  # DDP
+        return module.no_sync()
+    return contextlib.nullcontext()
+
+
+def train_step(par: Parallelized, tokens: torch.Tensor, targets: torch.Tensor, *, num_microbatches: int) -> float:
+    """One optimizer step on this rank's tokens; returns the mean loss this rank saw (NaN where a
+    pipeline rank holds no last stage)."""
+    device_type = tokens.device.type
+    autocast = (
+        torch.autocast(device_type, dtype=par.autocast_dtype)
+        if par.autocast_dtype is not None
+        else contextlib.nullcontext()
+    )
+    if par.schedule is not None:
+        losses: list[torch.Tensor] = []
+        with autocast:
+            if par.is_first and par.is_last:
+                par.schedule.step(tokens, target=targets, losses=losses)
+            elif par.is_first:
+                par.schedule.step(tokens)
+            elif par.is_last:
+                par.schedule.step(target=targets, losses=losses)
+            else:
+                par.schedule.step()
+        loss = torch.stack(losses).mean().item() if losses else float("nan")
+    else:
+        model = par.modules[0]
+        total = 0.0
+        for i, (x, y) in enumerate(zip(tokens.chunk(num_microbatches), targets.chunk(num_microbatches), strict=True)):
+            sync = _sync_context(model, last=i == num_microbatches - 1)
+            # loss_parallel must cover backward too: it computes the vocabulary-sharded gradient.
+            lp = loss_parallel() if par.loss_parallel else contextlib.nullcontext()
+            with sync, lp:
+                with autocast:
+                    out = loss_fn(model(x), y) / num_microbatches
+                out.backward()
+            out = out.full_tensor() if hasattr(out, "full_tensor") else out
+            total += out.detach().float().item()
+        loss = total
+    par.optimizer.step()
+    par.optimizer.zero_grad(set_to_none=True)
+    return loss

@@ -1,0 +1,62 @@
+"""Context parallelism: each rank holds a slice of the sequence; attention all-gathers K and V.
+
+torch's ``context_parallel`` has no CPU path in 2.13 (no sharding rule for the CPU flash-attention op),
+so this is written here, as Llama 3 does it (Llama Team 2024, §3.3.2): K and V are all-gathered with an
+autograd-aware collective whose backward is a reduce-scatter, and the causal mask is built on global
+token positions. With load balancing the sequence is cut into 2·cp chunks and rank r holds chunks r and
+2·cp − 1 − r (head–tail), so every rank does the same attention work.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed._functional_collectives import all_gather_tensor_autograd
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def local_positions(seq_len: int, *, rank: int, cp: int, load_balance: bool) -> torch.Tensor:
+    """Global positions of the tokens rank ``rank`` of ``cp`` holds, in the order it holds them."""
+    if not load_balance:
+        chunk = seq_len // cp
+        return torch.arange(rank * chunk, (rank + 1) * chunk)
+    chunk = seq_len // (2 * cp)
+    head = torch.arange(rank * chunk, (rank + 1) * chunk)
+    tail_start = (2 * cp - 1 - rank) * chunk
+    return torch.cat([head, torch.arange(tail_start, tail_start + chunk)])
+
+
+def shard_sequence(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The tokens (dim 1) of ``x`` at ``positions``."""
+    return x.index_select(1, positions)
+
+
+class AllGatherKVAttention:
+    """A causal attention core over K and V gathered from every context-parallel rank."""
+
+    def __init__(self, cp_mesh: DeviceMesh, positions: torch.Tensor, all_positions: torch.Tensor):
+        self.cp_mesh = cp_mesh
+        # mask[i, j]: local query i may attend to gathered key j.
+        self.mask = positions[:, None] >= all_positions[None, :]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_all = all_gather_tensor_autograd(k.contiguous(), gather_dim=2, group=self.cp_mesh)
+        v_all = all_gather_tensor_autograd(v.contiguous(), gather_dim=2, group=self.cp_mesh)
+        return F.scaled_dot_product_attention(
+            q, k_all, v_all, attn_mask=self.mask, enable_gqa=q.shape[1] != k_all.shape[1]
+        )
+
+
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, seq_len: int, load_balance: bool) -> torch.Tensor:
+    """Swap every attention's core and rotary rows for this rank's slice; return its token positions."""
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    mine = local_positions(seq_len, rank=rank, cp=cp, load_balance=load_balance)
+    everyone = torch.cat([local_positions(seq_len, rank=r, cp=cp, load_balance=load_balance) for r in range(cp)])
+    core = AllGatherKVAttention(cp_mesh, mine, everyone)
+    for block in model.layers.values():
+        attn = block.attention
+        attn.rope_cos = attn.rope_cos.index_select(0, mine)
+        attn.rope_sin = attn.rope_sin.index_select(0, mine)
+        attn.core = core
+    return mine

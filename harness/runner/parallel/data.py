@@ -1,0 +1,59 @@
+"""Data parallelism over the flattened dp×cp group, ZeRO stages 0–3 on PyTorch's own implementations.
+
+- 0: ``DistributedDataParallel`` (gradients all-reduced, everything replicated);
+- 1: DDP + ``ZeroRedundancyOptimizer`` (optimizer state sharded);
+- 2: FSDP2 ``fully_shard(reshard_after_forward=False)`` (parameters stay unsharded until backward);
+- 3: FSDP2 ``fully_shard(reshard_after_forward=True)``.
+Context-parallel ranks hold the same parameters and different tokens, so they reduce gradients with the
+data-parallel ranks (Megatron does the same).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool, param_dtype: torch.dtype) -> None:
+    """FSDP2 per transformer block, then the root (embedding, norm, head), in place."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    # The root is needed at once by backward: FSDP2 keeps it unsharded after forward either way.
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+
+
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, *, tensor_parallel: bool) -> nn.Module:
+    """DDP over ``mesh``'s group; with tensor parallelism, DTensor parameters are first exposed as local
+    tensors (``_pre_dp_module_transform``, PyTorch's recipe for DDP + TP).
+
+    Buffers are not synchronised: the only ones are the rotary tables, which context parallelism makes
+    different on every cp rank (each holds its own token positions); DDP would overwrite them with rank
+    0's, at construction and before every forward.
+    """
+    if tensor_parallel:
+        from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+
+        _pre_dp_module_transform(model)
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        model, [name for name, _ in model.named_buffers()]
+    )
+    return DistributedDataParallel(
+        model, process_group=mesh.get_group(), gradient_as_bucket_view=True, broadcast_buffers=False
+    )
+
+
+def make_optimizer(
+    params: list[nn.Parameter], *, zero_stage: int, mesh: DeviceMesh | None, lr: float, eps: float
+) -> torch.optim.Optimizer:
+    """AdamW with the ``foreach`` implementation; ZeRO-1 shards it over ``mesh``'s group."""
+    if zero_stage == 1 and mesh is not None:
+        return ZeroRedundancyOptimizer(
+            params, optimizer_class=torch.optim.AdamW, process_group=mesh.get_group(), lr=lr, eps=eps,
+            foreach=True,
+        )
+    return torch.optim.AdamW(params, lr=lr, eps=eps, foreach=True)

@@ -1,0 +1,147 @@
+"""One rank of one point: join the group (with a timeout), build and parallelise the model, run warm-up
+and measured steps on synthetic tokens, and write this rank's numbers to ``<out_dir>/rank<r>.json``.
+
+Runs in a process forked by the supervisor. Every expected failure is written as data (an out-of-memory
+error, a Python exception with its first line); the supervisor covers what a rank cannot report itself
+(a kill, a hang).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from harness.runner.measure import PeakMemory, cpu_peak_tflops
+from harness.runner.model import Llama
+from harness.runner.parallel.compose import MESH_DIMS, parallelize, train_step
+from harness.runner.parallel.context import shard_sequence
+from harness.specs import RunSpec
+
+WARMUP_STEPS = 1  # AdamW's state appears at the first optimizer.step(): measure from the second step on
+DATA_SEED = 1234
+MODEL_SEED = 0
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Atomic: a reader sees the whole file or none."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def synthetic_batch(spec: RunSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's global batch of token ids and next-token targets, identical on every rank and in the
+    single-rank reference."""
+    gen = torch.Generator().manual_seed(DATA_SEED)
+    n = spec.global_batch_size
+    ids = torch.randint(0, spec.model.vocab_size, (n, spec.train.seq_len + 1), generator=gen)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+def device_for(spec: RunSpec, local_rank: int) -> tuple[torch.device, str]:
+    if spec.device.name == "cpu":
+        return torch.device("cpu"), "gloo"
+    n = torch.cuda.device_count()
+    if spec.parallel.world <= n:  # one GPU per rank
+        return torch.device("cuda", local_rank), "nccl"
+    return torch.device("cuda", local_rank % n), "gloo"  # several ranks share a GPU
+
+
+def run_rank(rank: int, spec: RunSpec, *, port: int, out_dir: Path, timeout_s: float) -> None:
+    """The worker's entry point (never raises: the outcome is the JSON file and the exit code)."""
+    out = out_dir / f"rank{rank}.json"
+    world = spec.parallel.world
+    result: dict[str, Any] = {"rank": rank}
+    log = os.open(out_dir / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)  # the rank's own output goes to its log, not the user's terminal
+    os.dup2(log, 2)
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+        if spec.device.name == "cpu":
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        device, backend = device_for(spec, rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+        result.update(_run(spec, device))
+        write_json(out, result)
+        dist.destroy_process_group()
+        os._exit(0)
+    except BaseException as exc:  # noqa: BLE001 - every failure becomes data
+        oom = isinstance(exc, torch.OutOfMemoryError)
+        lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+        result.update(
+            error=f"{type(exc).__name__}: {lines[0] if lines else ''}"[:500],
+            oom=oom,
+            traceback=traceback.format_exc()[-4000:],
+        )
+        write_json(out, result)
+        os._exit(3 if oom else 1)
+
+
+def _run(spec: RunSpec, device: torch.device) -> dict[str, Any]:
+    p, t = spec.parallel, spec.train
+    mesh = dist.device_mesh.init_device_mesh(device.type, (p.pp, p.dp, p.cp, p.tp), mesh_dim_names=MESH_DIMS)
+    torch.manual_seed(MODEL_SEED)
+    model = Llama(spec.model, seq_len=t.seq_len)
+    tokens, targets = synthetic_batch(spec)
+    per_rank = t.micro_batch_size * t.num_microbatches
+    dp_rank = mesh["dp"].get_local_rank()
+    tokens = tokens[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+    targets = targets[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+    build_start = time.perf_counter()
+    par = parallelize(model, spec, mesh, device)
+    build_s = time.perf_counter() - build_start
+    if par.positions is not None:
+        tokens, targets = shard_sequence(tokens, par.positions), shard_sequence(targets, par.positions)
+    tokens, targets = tokens.to(device), targets.to(device)
+
+    losses, times = [], []
+    memory = PeakMemory(par.modules, par.optimizer, device)
+    for _ in range(WARMUP_STEPS):
+        losses.append(train_step(par, tokens, targets, num_microbatches=t.num_microbatches))
+    with memory.measure():
+        for i in range(t.steps - WARMUP_STEPS):
+            if i:
+                memory.step_boundary()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            losses.append(train_step(par, tokens, targets, num_microbatches=t.num_microbatches))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+    losses = _global_losses(losses, mesh, is_last=par.is_last)
+    out = {
+        "coords": {name: mesh[name].get_local_rank() for name in MESH_DIMS},
+        "losses": losses,
+        "step_times_s": times,
+        "step_time_s": statistics.median(times) if times else float("nan"),
+        "build_s": build_s,
+        **memory.result(),
+    }
+    if device.type == "cpu" and dist.get_rank() == 0:
+        out["cpu_peak_tflops"] = cpu_peak_tflops(torch.bfloat16 if t.precision == "bf16" else torch.float32)
+    return out
+
+
+def _global_losses(losses: list[float], mesh, *, is_last: bool) -> list[float]:
+    """Every step's loss as the whole job sees it: averaged over dp·cp ranks, sent from the last stage."""
+    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else None
+    t = torch.tensor([x if is_last else 0.0 for x in losses], dtype=torch.float64, device=device)
+    if mesh["pp"].size() > 1:
+        dist.all_reduce(t, group=mesh["pp"].get_group())  # only the last stage holds a non-zero value
+    for dim in ("dp", "cp"):
+        if mesh[dim].size() > 1:
+            dist.all_reduce(t, group=mesh[dim].get_group())
+            t /= mesh[dim].size()
+    return t.cpu().tolist()
