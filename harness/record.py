@@ -31,7 +31,10 @@ def git_revision() -> str | None:
     try:
         out = subprocess.run(
             ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
-            capture_output=True, text=True, timeout=5, check=False,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
         )
     except (OSError, subprocess.SubprocessError):
         return None
@@ -99,14 +102,22 @@ def finish_record(
     row = {**base_record(spec), **environment(device_name)}
     row.update(status=status, error=error, error_rank=error_rank, exit_code=exit_code, wall_s=wall_s)
     done = [r for r in ranks if "peak_allocated_bytes" in r]
-    row["per_rank_peak_bytes"] = [r.get("peak_allocated_bytes") for r in sorted(ranks, key=lambda r: r["rank"])]
+    row["per_rank_peak_bytes"] = [
+        r.get("peak_allocated_bytes") for r in sorted(ranks, key=lambda r: r["rank"])
+    ]
     row["oom_source"] = None
     if done:
         worst = max(done, key=lambda r: r["peak_allocated_bytes"])
         row["peak_allocated_bytes"] = worst["peak_allocated_bytes"]
         row["worst_rank"] = worst["rank"]
         row["memory_method"] = worst["memory_method"]
-        for key in ("peak_reserved_bytes", "peak_active_bytes", "device_used_bytes", "num_alloc_retries", "num_ooms"):
+        for key in (
+            "peak_reserved_bytes",
+            "peak_active_bytes",
+            "device_used_bytes",
+            "num_alloc_retries",
+            "num_ooms",
+        ):
             values = [r[key] for r in done if key in r]
             row[key] = max(values) if values else None
         for name, value in worst.get("categories", {}).items():
@@ -120,10 +131,18 @@ def finish_record(
         row["tokens_per_s"] = spec.global_batch_size * spec.train.seq_len / step
         row["tflops_per_device"] = flops / (step * spec.parallel.world) / 1e12
         cpu_peak = next((r["cpu_peak_tflops"] for r in done if "cpu_peak_tflops" in r), None)
-        peak = cpu_peak if spec.device.name == "cpu" else (spec.device.peak_tflops or peak_tflops_for(device_name))
+        peak = (
+            cpu_peak
+            if spec.device.name == "cpu"
+            else (spec.device.peak_tflops or peak_tflops_for(device_name))
+        )
         row["mfu_reference_tflops"] = peak
         row["mfu"] = row["tflops_per_device"] / peak if peak and not math.isnan(peak) else math.nan
-        if status == "ok" and spec.device.name == "cpu" and worst["peak_allocated_bytes"] > spec.device.memory_bytes:
+        if (
+            status == "ok"
+            and spec.device.name == "cpu"
+            and worst["peak_allocated_bytes"] > spec.device.memory_bytes
+        ):
             # Out of memory on CPU is simulated against the preset's capacity; the peak is kept.
             row["status"] = "oom"
             row["oom_source"] = "simulated"

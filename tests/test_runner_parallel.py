@@ -65,10 +65,16 @@ LAYOUTS = {
     "cp2-balanced": dict(parallel_cp=2, train_micro_batch_size=4),
     "cp2-contiguous": dict(parallel_cp=2, parallel_cp_load_balance=False, train_micro_batch_size=4),
     "pp2-1f1b": dict(parallel_pp=2, train_micro_batch_size=2, train_num_microbatches=2),
-    "pp2-gpipe": dict(parallel_pp=2, parallel_pp_schedule="gpipe", train_micro_batch_size=2,
-                      train_num_microbatches=2),
-    "pp2-interleaved": dict(parallel_pp=2, parallel_pp_schedule="interleaved_1f1b", parallel_virtual_stages=2,
-                            train_micro_batch_size=2, train_num_microbatches=2),
+    "pp2-gpipe": dict(
+        parallel_pp=2, parallel_pp_schedule="gpipe", train_micro_batch_size=2, train_num_microbatches=2
+    ),
+    "pp2-interleaved": dict(
+        parallel_pp=2,
+        parallel_pp_schedule="interleaved_1f1b",
+        parallel_virtual_stages=2,
+        train_micro_batch_size=2,
+        train_num_microbatches=2,
+    ),
     # gradient accumulation and recomputation on one rank
     "accumulate4": dict(train_micro_batch_size=1, train_num_microbatches=4),
     "recompute-full": dict(train_micro_batch_size=4, train_recompute="full"),
@@ -77,11 +83,27 @@ LAYOUTS = {
     "dp2-tp2-zero3": dict(parallel_dp=2, parallel_tp=2, parallel_zero_stage=3, train_micro_batch_size=2),
     "dp2-tp2-zero1": dict(parallel_dp=2, parallel_tp=2, parallel_zero_stage=1, train_micro_batch_size=2),
     "tp2-cp2": dict(parallel_tp=2, parallel_cp=2, train_micro_batch_size=4),
-    "dp2-pp2": dict(parallel_dp=2, parallel_pp=2, train_micro_batch_size=1, train_num_microbatches=2),
-    "pp2-tp2-full": dict(parallel_pp=2, parallel_tp=2, train_micro_batch_size=2, train_num_microbatches=2,
-                         train_recompute="full"),
-    "dp2-cp2-zero2-accumulate": dict(parallel_dp=2, parallel_cp=2, parallel_zero_stage=2,
-                                     train_micro_batch_size=1, train_num_microbatches=2),
+    "dp2-pp2-zero2": dict(
+        parallel_dp=2,
+        parallel_pp=2,
+        parallel_zero_stage=2,
+        train_micro_batch_size=1,
+        train_num_microbatches=2,
+    ),
+    "pp2-tp2-full": dict(
+        parallel_pp=2,
+        parallel_tp=2,
+        train_micro_batch_size=2,
+        train_num_microbatches=2,
+        train_recompute="full",
+    ),
+    "dp2-cp2-zero2-accumulate": dict(
+        parallel_dp=2,
+        parallel_cp=2,
+        parallel_zero_stage=2,
+        train_micro_batch_size=1,
+        train_num_microbatches=2,
+    ),
 }
 
 
@@ -92,8 +114,14 @@ def test_layout_matches_single_rank(layout, reference):
 
 def test_2x2x2_on_eight_processes(reference):
     # dp 2 × tp 2 × pp 2 = 8 ranks, FSDP (ZeRO-3) with sequence-parallel TP inside pipeline stages.
-    record = run(parallel_dp=2, parallel_tp=2, parallel_pp=2, parallel_zero_stage=3, train_micro_batch_size=1,
-                 train_num_microbatches=2)
+    record = run(
+        parallel_dp=2,
+        parallel_tp=2,
+        parallel_pp=2,
+        parallel_zero_stage=3,
+        train_micro_batch_size=1,
+        train_num_microbatches=2,
+    )
     assert len(record["per_rank_peak_bytes"]) == 8
     assert_same(record["losses"], reference)
 

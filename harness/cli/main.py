@@ -19,6 +19,8 @@ usage: harness <command> [key=value ...]      (or: python -m harness <command> .
 commands:
   estimate   analytical per-rank memory and FLOPs of one configuration, term by term, with a verdict
   plan       every valid layout for plan.gpus devices, the ones that fit ranked, with predicted memory
+  run        one short real training step of the configuration: peak memory per rank, step time,
+             TFLOP/s, MFU, loss; or how it failed (oom, timeout, crash, invalid). Exit 0 for any outcome
 
 overrides are Hydra's: group=preset (model=llama3_8b device=h100_94gb engine=paper) and dotted keys
 (parallel.tp=2 train.seq_len=8192 format=json). See sweeps/config.yaml for every key.
@@ -80,7 +82,22 @@ def _plan(overrides: Sequence[str]) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"estimate": _estimate, "plan": _plan}
+def _run(overrides: Sequence[str]) -> int:
+    from harness.cli.render import record_json, record_table
+    from harness.runner.supervisor import run_point
+
+    cfg = compose(overrides)
+    fmt, _ = _output_settings(cfg)
+    timeout_s = float(cfg["run"]["timeout_s"])
+    if not timeout_s > 0:
+        raise ValueError(f"run.timeout_s={timeout_s} must be > 0")
+    # Unknown or missing keys are a usage error (one line, exit 2); an impossible layout is a record.
+    record = run_point(run_spec(cfg), timeout_s=timeout_s)
+    print(record_json(record) if fmt == "json" else record_table(record))
+    return 0  # every recorded outcome, including oom/timeout/crash/invalid, is a success of the command
+
+
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"estimate": _estimate, "plan": _plan, "run": _run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -174,3 +174,64 @@ def plan_table(result: PlanResult, opts: PlanOptions, *, top: int) -> str:
             line += f" {c.step_time_s:>8.3f}"
         lines.append(line)
     return "\n".join(lines)
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no NaN: a missing measurement is null."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value
+
+
+def record_json(record: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps({k: _clean(v) for k, v in record.items()}, indent=2)
+
+
+def record_table(record: dict[str, Any]) -> str:
+    r = record
+    lines = [
+        f"{r['model_name']} on {r['device_name']}, config_id {r['config_id']}: status {r['status'].upper()}",
+        f"layout  dp={r['parallel_dp']} tp={r['parallel_tp']} pp={r['parallel_pp']} cp={r['parallel_cp']} "
+        f"zero={r['parallel_zero_stage']}  seq {r['train_seq_len']} × micro-batch "
+        f"{r['train_micro_batch_size']} × {r['train_num_microbatches']}, recompute {r['train_recompute']}, "
+        f"{r['train_precision']}",
+    ]
+    if r.get("error"):
+        where = f" (rank {r['error_rank']})" if r.get("error_rank") is not None else ""
+        lines.append(f"error{where}: {r['error']}")
+    if r.get("peak_allocated_bytes") is not None:
+        peaks = ", ".join("—" if p is None else gib(p) for p in r["per_rank_peak_bytes"])
+        lines += [
+            "",
+            f"peak memory (GiB, {r['memory_method']}): max {gib(r['peak_allocated_bytes'])} on rank "
+            f"{r['worst_rank']}; per rank: {peaks}",
+        ]
+        cats = {k[4:-6]: v for k, v in r.items() if k.startswith("mem_") and k.endswith("_bytes") and v}
+        if cats:
+            lines.append("  worst rank by category: " + ", ".join(f"{k} {gib(v)}" for k, v in cats.items()))
+        if r.get("peak_reserved_bytes") is not None:
+            lines.append(
+                f"  reserved {gib(r['peak_reserved_bytes'])}, device used {gib(r['device_used_bytes'])}"
+            )
+        if r.get("est_total_bytes") is not None:
+            ratio = r["peak_allocated_bytes"] / r["est_total_bytes"]
+            lines.append(
+                f"  estimate (engine torch): {gib(r['est_total_bytes'])} → measured/estimate {ratio:.2f}"
+            )
+        mfu = r.get("mfu")
+        lines += [
+            f"step time {r['step_time_s']:.3f} s (median of measured steps, slowest rank), "
+            f"{r['tokens_per_s']:,.0f} tokens/s, {r['tflops_per_device']:.4f} TFLOP/s per device, "
+            f"MFU {'n/a' if mfu is None or math.isnan(mfu) else f'{mfu:.1%}'} "
+            f"(reference {r['mfu_reference_tflops']:.3g} TFLOP/s)",
+            f"loss by step: {', '.join(f'{x:.4f}' for x in r['losses'])}",
+        ]
+    lines.append(
+        f"wall {r.get('wall_s', 0):.1f} s; torch {r.get('env_torch_version')}; "
+        f"git {r.get('env_git_revision')}"
+    )
+    return "\n".join(lines)

@@ -1,8 +1,8 @@
 """Peak memory per rank, measured the same way every time, and labelled with the method.
 
 CUDA: the caching allocator's own statistics (peak allocated, active, reserved bytes, retries, OOMs) and
-the device's used memory. CPU has no allocator statistics: PyTorch's MemTracker (FSDPMemTracker when
-FSDP2 is the root) tracks live tensors by category at ~7 % run-time overhead.
+the device's used memory. CPU has no allocator statistics: PyTorch's MemTracker tracks live tensors by
+category (and FSDP2's storage resizes) at ~7 % run-time overhead.
 """
 
 from __future__ import annotations
@@ -32,18 +32,19 @@ CATEGORY_NAMES = {
 }
 
 
-def _tracker_classes():
-    """MemTracker and FSDPMemTracker that accept a root module called once per micro-batch.
+def _tracker_class():
+    """PyTorch's MemTracker, accepting a root module called once per micro-batch.
 
-    PyTorch's trackers refuse a root module's second forward in one tracked region ("multiple iterative
-    calls"), which is what gradient accumulation and every pipeline schedule do. Only the global peak is
-    used here, not per-module statistics, so the root's module statistics are dropped before its next
-    forward (what ``reset_mod_stats`` does for all modules, done for the root alone).
+    MemTracker refuses a root module's second forward in one tracked region ("multiple iterative calls"),
+    which is what gradient accumulation and every pipeline schedule do. Only the global peak is used
+    here, not per-module statistics, so the root's module statistics are dropped before its next forward
+    (what ``reset_mod_stats`` does for all modules, done for the root alone). FSDPMemTracker is not used:
+    it refuses the same in a hook of its own, and MemTracker already follows FSDP2's ``resize_`` of
+    unsharded parameters, so its totals stand without it.
     """
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    class _MicroBatches:
+    class Tracker(MemTracker):
         def _pre_fw_hook(self, module, inputs):
             if module in self.memory_tracking and not self._mod_tracker.is_bw:
                 name = self._mod_tracker.get_known_fqn(module)
@@ -51,13 +52,7 @@ def _tracker_classes():
                     del self.memory_tracking[module]
             super()._pre_fw_hook(module, inputs)
 
-    class Tracker(_MicroBatches, MemTracker):
-        pass
-
-    class FSDPTracker(_MicroBatches, FSDPMemTracker):
-        pass
-
-    return Tracker, FSDPTracker
+    return Tracker
 
 
 class PeakMemory:
@@ -90,16 +85,9 @@ class PeakMemory:
                 "categories": {},
             }
             return
-        MemTracker, FSDPMemTracker = _tracker_classes()
-        root = self.modules[0]
-        fsdp_root = len(self.modules) == 1 and type(root).__name__.startswith("FSDP")
-        if fsdp_root:
-            tracker = FSDPMemTracker(root, self.optimizer)
-            method = "fsdp_mem_tracker"
-        else:
-            tracker = MemTracker()
-            tracker.track_external(*self.modules, self.optimizer)
-            method = "mem_tracker"
+        tracker = _tracker_class()()
+        tracker.track_external(*self.modules, self.optimizer)
+        method = "mem_tracker"
         self.tracker = tracker
         with tracker:
             yield

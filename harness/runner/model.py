@@ -18,7 +18,9 @@ from torch import nn
 from harness.specs import ModelSpec
 
 
-def rope_tables(seq_len: int, head_dim: int, *, theta: float = 500_000.0) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    seq_len: int, head_dim: int, *, theta: float = 500_000.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Real-valued RoPE tables (cos, sin) of shape (seq_len, head_dim), Llama 3's base."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv)

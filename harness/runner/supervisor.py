@@ -35,7 +35,17 @@ def runner_problems(spec: RunSpec) -> list[str]:
     """What the runner cannot do on this machine, beyond the spec's own validation."""
     out = []
     if spec.train.steps < 2:
-        out.append(f"train.steps={spec.train.steps}: the runner needs >= 2 (one warm-up, then measured steps)")
+        out.append(
+            f"train.steps={spec.train.steps}: the runner needs >= 2 (one warm-up, then measured steps)"
+        )
+    p = spec.parallel
+    if p.pp > 1 and p.zero_stage < 2 and p.dp * p.cp > 1:
+        # DDP's reducer breaks when a pipeline schedule runs several forwards before a backward
+        # ("rebuilt parameter indices size is not same as original model parameters size").
+        out.append(
+            "the runner cannot combine pp > 1 with DDP (zero_stage 0/1) over dp·cp > 1: "
+            "DistributedDataParallel does not support torch.distributed.pipelining; use zero_stage 2 or 3"
+        )
     if spec.device.name != "cpu":
         import torch
 
@@ -54,7 +64,9 @@ def _read(out_dir: Path, rank: int) -> dict[str, Any]:
 
 def _last_log_line(out_dir: Path, rank: int) -> str:
     try:
-        lines = [ln for ln in (out_dir / f"rank{rank}.log").read_text(errors="replace").splitlines() if ln.strip()]
+        lines = [
+            ln for ln in (out_dir / f"rank{rank}.log").read_text(errors="replace").splitlines() if ln.strip()
+        ]
     except OSError:
         return ""
     return lines[-1][:300] if lines else ""
@@ -68,7 +80,9 @@ def _culprit(failed: list[tuple[int, int, dict]]) -> tuple[int, int, dict]:
             return entry
     for entry in failed:
         err = entry[2].get("error", "")
-        if not any(s in err for s in ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out")):
+        if not any(
+            s in err for s in ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out")
+        ):
             return entry
     return failed[0]
 
@@ -134,13 +148,22 @@ def run_point(
         wall = time.monotonic() - start
         ranks = [_read(out_dir, r) for r in range(world)]
         codes = [proc.exitcode for proc in procs]
-        failed = [(r, c, ranks[r]) for r, c in enumerate(codes) if c != 0 and not (timed_out and "error" not in ranks[r])]
+        failed = [
+            (r, c, ranks[r])
+            for r, c in enumerate(codes)
+            if c != 0 and not (timed_out and "error" not in ranks[r])
+        ]
         device_name = _device_name(spec)
         common = {"wall_s": wall, "device_name": device_name}
         if timed_out and not any("error" in ranks[r] for r in range(world)):
             return finish_record(
-                spec, ranks, status="timeout", error=f"no result within {timeout_s:g} s; all {world} ranks killed",
-                error_rank=None, exit_code=None, **common,
+                spec,
+                ranks,
+                status="timeout",
+                error=f"no result within {timeout_s:g} s; all {world} ranks killed",
+                error_rank=None,
+                exit_code=None,
+                **common,
             )
         if failed:
             rank, code, info = _culprit(failed)
@@ -148,8 +171,12 @@ def run_point(
             if code is not None and code < 0:
                 error = f"rank {rank} killed by signal {signal.Signals(-code).name}"
             else:
-                error = info.get("error") or _last_log_line(out_dir, rank) or f"rank {rank} exited with {code}"
-            return finish_record(spec, ranks, status=status, error=error, error_rank=rank, exit_code=code, **common)
+                error = (
+                    info.get("error") or _last_log_line(out_dir, rank) or f"rank {rank} exited with {code}"
+                )
+            return finish_record(
+                spec, ranks, status=status, error=error, error_rank=rank, exit_code=code, **common
+            )
         return finish_record(spec, ranks, status="ok", error=None, error_rank=None, exit_code=0, **common)
 
 

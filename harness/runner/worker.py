@@ -65,7 +65,9 @@ def run_rank(rank: int, spec: RunSpec, *, port: int, out_dir: Path, timeout_s: f
     os.dup2(log, 1)  # the rank's own output goes to its log, not the user's terminal
     os.dup2(log, 2)
     try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
+        )
         if spec.device.name == "cpu":
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         device, backend = device_for(spec, rank)
@@ -76,7 +78,7 @@ def run_rank(rank: int, spec: RunSpec, *, port: int, out_dir: Path, timeout_s: f
         write_json(out, result)
         dist.destroy_process_group()
         os._exit(0)
-    except BaseException as exc:  # noqa: BLE001 - every failure becomes data
+    except BaseException as exc:
         oom = isinstance(exc, torch.OutOfMemoryError)
         lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
         result.update(

@@ -116,7 +116,9 @@ def _sync_context(module: nn.Module, *, last: bool):
     return contextlib.nullcontext()
 
 
-def train_step(par: Parallelized, tokens: torch.Tensor, targets: torch.Tensor, *, num_microbatches: int) -> float:
+def train_step(
+    par: Parallelized, tokens: torch.Tensor, targets: torch.Tensor, *, num_microbatches: int
+) -> float:
     """One optimizer step on this rank's tokens; returns the mean loss this rank saw (NaN where a
     pipeline rank holds no last stage)."""
     device_type = tokens.device.type
@@ -140,7 +142,9 @@ def train_step(par: Parallelized, tokens: torch.Tensor, targets: torch.Tensor, *
     else:
         model = par.modules[0]
         total = 0.0
-        for i, (x, y) in enumerate(zip(tokens.chunk(num_microbatches), targets.chunk(num_microbatches), strict=True)):
+        for i, (x, y) in enumerate(
+            zip(tokens.chunk(num_microbatches), targets.chunk(num_microbatches), strict=True)
+        ):
             sync = _sync_context(model, last=i == num_microbatches - 1)
             # loss_parallel must cover backward too: it computes the vocabulary-sharded gradient.
             lp = loss_parallel() if par.loss_parallel else contextlib.nullcontext()

@@ -52,7 +52,9 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, seq_len: int, load_balanc
     """Swap every attention's core and rotary rows for this rank's slice; return its token positions."""
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     mine = local_positions(seq_len, rank=rank, cp=cp, load_balance=load_balance)
-    everyone = torch.cat([local_positions(seq_len, rank=r, cp=cp, load_balance=load_balance) for r in range(cp)])
+    everyone = torch.cat(
+        [local_positions(seq_len, rank=r, cp=cp, load_balance=load_balance) for r in range(cp)]
+    )
     core = AllGatherKVAttention(cp_mesh, mine, everyone)
     for block in model.layers.values():
         attn = block.attention

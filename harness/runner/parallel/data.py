@@ -18,7 +18,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool, param_dtype: torch.dtype) -> None:
+def apply_fsdp(
+    model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool, param_dtype: torch.dtype
+) -> None:
     """FSDP2 per transformer block, then the root (embedding, norm, head), in place."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in model.layers.values():
@@ -53,7 +55,11 @@ def make_optimizer(
     """AdamW with the ``foreach`` implementation; ZeRO-1 shards it over ``mesh``'s group."""
     if zero_stage == 1 and mesh is not None:
         return ZeroRedundancyOptimizer(
-            params, optimizer_class=torch.optim.AdamW, process_group=mesh.get_group(), lr=lr, eps=eps,
+            params,
+            optimizer_class=torch.optim.AdamW,
+            process_group=mesh.get_group(),
+            lr=lr,
+            eps=eps,
             foreach=True,
         )
     return torch.optim.AdamW(params, lr=lr, eps=eps, foreach=True)

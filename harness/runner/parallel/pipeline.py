@@ -49,7 +49,10 @@ def build_schedule(
     loss_fn: Callable,
 ):
     """Wrap each owned stage module in a PipelineStage and return the schedule that runs them."""
-    stages = [PipelineStage(mod, sid, num_stages, device, group=group) for mod, sid in zip(modules, ids, strict=True)]
+    stages = [
+        PipelineStage(mod, sid, num_stages, device, group=group)
+        for mod, sid in zip(modules, ids, strict=True)
+    ]
     cls = SCHEDULES[schedule]
     if cls is ScheduleInterleaved1F1B:
         return cls(stages, n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=True)

@@ -1,0 +1,153 @@
+"""Every failure mode, injected for real into real workers, yields exactly one record with the right
+status within its timeout, and leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from conftest import spec
+
+from harness.runner import worker
+from harness.runner.supervisor import run_point
+
+FAST = dict(train_precision="fp32", train_seq_len=32, train_steps=2)
+
+
+def children() -> set[int]:
+    """Live (non-zombie) child processes of this test process."""
+    me, out = os.getpid(), set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+        if fields.get("PPid", "").strip() == str(me) and not fields.get("State", "").startswith("Z"):
+            out.add(int(entry.name))
+    return out
+
+
+@pytest.fixture
+def no_leftovers():
+    before = children()
+    yield
+    assert children() - before == set()
+
+
+def inject(monkeypatch, action):
+    """Make rank 1's training step do ``action`` instead (rank 0 proceeds and waits for it)."""
+    real = worker.train_step
+
+    def step(par, tokens, targets, **kw):
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            action()
+        return real(par, tokens, targets, **kw)
+
+    monkeypatch.setattr(worker, "train_step", step)
+
+
+def test_ok_point(no_leftovers):
+    r = run_point(spec("tiny", parallel_dp=2, **FAST), timeout_s=60)
+    assert r["status"] == "ok" and r["error"] is None
+    assert len(r["per_rank_peak_bytes"]) == 2 and r["peak_allocated_bytes"] == max(r["per_rank_peak_bytes"])
+    for field in (
+        "step_time_s",
+        "tokens_per_s",
+        "tflops_per_device",
+        "mfu",
+        "loss",
+        "schema_version",
+        "config_id",
+        "env_torch_version",
+        "est_total_bytes",
+        "model_flops_per_step",
+    ):
+        assert r[field] is not None, field
+
+
+def test_rank_that_raises(monkeypatch, no_leftovers):
+    def boom():
+        raise ValueError("injected failure")
+
+    inject(monkeypatch, boom)
+    start = time.monotonic()
+    r = run_point(spec("tiny", parallel_dp=2, **FAST), timeout_s=60)
+    assert r["status"] == "crash"
+    assert r["error_rank"] == 1 and r["error"] == "ValueError: injected failure"
+    assert r["exit_code"] == 1
+    assert time.monotonic() - start < 60
+
+
+def test_rank_killed_with_sigkill(monkeypatch, no_leftovers):
+    inject(monkeypatch, lambda: os.kill(os.getpid(), signal.SIGKILL))
+    r = run_point(spec("tiny", parallel_dp=2, **FAST), timeout_s=60)
+    assert r["status"] == "crash"
+    assert r["error_rank"] == 1 and r["error"] == "rank 1 killed by signal SIGKILL"
+    assert r["exit_code"] == -signal.SIGKILL
+
+
+def test_rank_that_blocks_forever(monkeypatch, no_leftovers):
+    inject(monkeypatch, lambda: time.sleep(10_000))
+    start = time.monotonic()
+    r = run_point(spec("tiny", parallel_dp=2, **FAST), timeout_s=20)
+    elapsed = time.monotonic() - start
+    # Rank 0's collective times out first (the process group's timeout is set below the point's) or
+    # the supervisor kills both: either way one record, within the timeout plus reaping.
+    assert r["status"] in ("timeout", "crash")
+    assert elapsed < 20 + 15
+    if r["status"] == "crash":
+        assert (r["error_rank"] == 0 and "timed out" in r["error"].lower()) or "Timeout" in r["error"]
+
+
+def test_impossible_layout_starts_nothing(no_leftovers):
+    def never(*args, **kwargs):  # pragma: no cover - must not be called
+        raise AssertionError("a process was started for an invalid point")
+
+    r = run_point(_invalid(), timeout_s=10, rank_fn=never)
+    assert r["status"] == "invalid"
+    assert "num_heads 4 % tp 3 = 1 ≠ 0" in r["error"]
+    assert r["config_id"].startswith("x")
+
+
+def _invalid():
+    import dataclasses
+
+    s = spec("tiny", **FAST)
+    return dataclasses.replace(s, parallel=dataclasses.replace(s.parallel, tp=3, world_size=None))
+
+
+def test_simulated_out_of_memory_keeps_the_peak(no_leftovers):
+    import dataclasses
+
+    s = spec("tiny", **FAST)
+    small = dataclasses.replace(s, device=dataclasses.replace(s.device, memory_gib=0.001))
+    r = run_point(small, timeout_s=60)
+    assert r["status"] == "oom" and r["oom_source"] == "simulated"
+    assert r["peak_allocated_bytes"] > small.device.memory_bytes
+    assert "simulated: peak" in r["error"]
+
+
+def test_gpu_device_without_cuda_is_invalid(no_leftovers):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    r = run_point(spec("tiny", "h100_80gb", **FAST), timeout_s=10)
+    assert r["status"] == "invalid" and "needs CUDA" in r["error"]
+
+
+def test_pipeline_with_ddp_is_refused_before_launch(no_leftovers):
+    def never(*args, **kwargs):  # pragma: no cover - must not be called
+        raise AssertionError("a process was started")
+
+    s = spec("tiny", parallel_dp=2, parallel_pp=2, train_num_microbatches=2, **FAST)
+    r = run_point(s, timeout_s=10, rank_fn=never)
+    assert r["status"] == "invalid" and "use zero_stage 2 or 3" in r["error"]
