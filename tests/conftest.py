@@ -59,3 +59,12 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", derandomize=True, deadline=None)
 settings.register_profile("deep", max_examples=3000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default"))
+
+
+def in_fresh_process(fn, *args):
+    """``fn(*args)`` in a freshly spawned interpreter. Tests that run torch work (or a process group) in
+    the test process would leave OpenMP threads or a group behind for the later tests that fork ranks."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, args)

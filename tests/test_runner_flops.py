@@ -8,22 +8,28 @@ matmuls and are in neither count.
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-from conftest import spec
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.flop_counter import FlopCounterMode
+from conftest import in_fresh_process, spec
 
 from harness.estimate.flops import model_flops_per_step
-from harness.runner.model import Llama
+
+
+def _count(s) -> int:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from harness.runner.model import Llama
+
+    torch.manual_seed(0)
+    model = Llama(s.model, seq_len=s.train.seq_len)
+    tokens = torch.randint(0, s.model.vocab_size, (s.train.micro_batch_size, s.train.seq_len))
+    with sdpa_kernel([SDPBackend.MATH]), FlopCounterMode(display=False) as counter:
+        logits = model(tokens)
+        F.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    return counter.get_total_flops()
 
 
 def test_forward_backward_flops_equal_the_megatron_formula():
     s = spec("tiny", train_seq_len=64, train_micro_batch_size=2, train_precision="fp32")
-    torch.manual_seed(0)
-    model = Llama(s.model, seq_len=64)
-    tokens = torch.randint(0, s.model.vocab_size, (2, 64))
-    with sdpa_kernel([SDPBackend.MATH]), FlopCounterMode(display=False) as counter:
-        logits = model(tokens)
-        F.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
-    assert counter.get_total_flops() == model_flops_per_step(s, convention="megatron")
+    assert in_fresh_process(_count, s) == model_flops_per_step(s, convention="megatron")

@@ -56,6 +56,17 @@ def device_for(spec: RunSpec, local_rank: int) -> tuple[torch.device, str]:
     return torch.device("cuda", local_rank % n), "gloo"  # several ranks share a GPU
 
 
+def emulate_capacity(spec: RunSpec, device: torch.device) -> float:
+    """Cap this process's share of the GPU at the device preset's capacity (a 40 GB card emulated on an
+    H200), divided among the ranks that share the GPU; returns the fraction set (1.0: no cap)."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    sharing = max(1, -(-spec.parallel.world // torch.cuda.device_count()))
+    fraction = min(1.0, spec.device.memory_bytes / total) / sharing
+    if fraction < 1.0:
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction
+
+
 def run_rank(rank: int, spec: RunSpec, *, port: int, out_dir: Path, timeout_s: float) -> None:
     """The worker's entry point (never raises: the outcome is the JSON file and the exit code)."""
     out = out_dir / f"rank{rank}.json"
@@ -73,6 +84,7 @@ def run_rank(rank: int, spec: RunSpec, *, port: int, out_dir: Path, timeout_s: f
         device, backend = device_for(spec, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+            result["cuda_memory_fraction"] = emulate_capacity(spec, device)
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
         result.update(_run(spec, device))
         write_json(out, result)
@@ -107,10 +119,16 @@ def _run(spec: RunSpec, device: torch.device) -> dict[str, Any]:
         tokens, targets = shard_sequence(tokens, par.positions), shard_sequence(targets, par.positions)
     tokens, targets = tokens.to(device), targets.to(device)
 
-    losses, times = [], []
+    losses: list[float] = []
+    times: list[float] = []
+
+    def step() -> float:
+        loss = train_step(par, tokens, targets, num_microbatches=t.num_microbatches)
+        return float("nan") if loss is None else loss.item()
+
     memory = PeakMemory(par.modules, par.optimizer, device)
     for _ in range(WARMUP_STEPS):
-        losses.append(train_step(par, tokens, targets, num_microbatches=t.num_microbatches))
+        losses.append(step())
     with memory.measure():
         for i in range(t.steps - WARMUP_STEPS):
             if i:
@@ -118,7 +136,7 @@ def _run(spec: RunSpec, device: torch.device) -> dict[str, Any]:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             start = time.perf_counter()
-            losses.append(train_step(par, tokens, targets, num_microbatches=t.num_microbatches))
+            losses.append(step())
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)

@@ -62,7 +62,8 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
     use_loss_parallel = p.tp > 1 and p.pp == 1
     positions = None
     for mod in modules:
-        mod.to(device)
+        if next(mod.parameters()).device != device:  # (a no-op .to() fails on fake tensors)
+            mod.to(device)
         if p.tp > 1:
             apply_tp(mod, mesh["tp"], sequence_parallel=p.sequence_parallel, loss_parallel=use_loss_parallel)
         if p.cp > 1:
@@ -118,9 +119,10 @@ def _sync_context(module: nn.Module, *, last: bool):
 
 def train_step(
     par: Parallelized, tokens: torch.Tensor, targets: torch.Tensor, *, num_microbatches: int
-) -> float:
-    """One optimizer step on this rank's tokens; returns the mean loss this rank saw (NaN where a
-    pipeline rank holds no last stage)."""
+) -> torch.Tensor | None:
+    """One optimizer step on this rank's tokens; returns the mean loss this rank saw as a 0-d tensor
+    (None where a pipeline rank holds no last stage). A tensor, not a float: under FakeTensorMode (a dry
+    run) there is no value to read."""
     device_type = tokens.device.type
     autocast = (
         torch.autocast(device_type, dtype=par.autocast_dtype)
@@ -138,10 +140,10 @@ def train_step(
                 par.schedule.step(target=targets, losses=losses)
             else:
                 par.schedule.step()
-        loss = torch.stack(losses).mean().item() if losses else float("nan")
+        loss = torch.stack([x.detach() for x in losses]).mean() if losses else None
     else:
         model = par.modules[0]
-        total = 0.0
+        total = None
         for i, (x, y) in enumerate(
             zip(tokens.chunk(num_microbatches), targets.chunk(num_microbatches), strict=True)
         ):
@@ -152,8 +154,8 @@ def train_step(
                 with autocast:
                     out = loss_fn(model(x), y) / num_microbatches
                 out.backward()
-            out = out.full_tensor() if hasattr(out, "full_tensor") else out
-            total += out.detach().float().item()
+            out = (out.full_tensor() if hasattr(out, "full_tensor") else out).detach().float()
+            total = out if total is None else total + out
         loss = total
     par.optimizer.step()
     par.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,102 @@
+"""GPU check: a handful of real points on one CUDA GPU, including real out-of-memory.
+
+Run on a machine with at least one NVIDIA GPU of >= 80 GB (an H100/H200), in under 8 minutes:
+
+    python scripts/gpu_check.py [--out DIR]
+
+Points: a small model on one rank; the same on 2 ranks sharing the GPU over gloo (FSDP) and with tensor
+parallelism; and a 2-layer Llama-3-8B-shaped model whose micro-batch is chosen from the estimator so that
+its predicted peak lies between 40 and 80 GB, run once as an emulated A100 40 GB (the process's memory
+fraction capped: a real ``torch.OutOfMemoryError`` is expected) and once as an emulated 80 GB card
+(expected to fit). Prints one line per point and writes every record to DIR/gpu_check.json (DIR: $OUT
+if set, else results/gpu_check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from harness.cli.config import compose, run_spec
+from harness.estimate import estimate
+from harness.runner.supervisor import run_point
+
+GIB = 2**30
+BIG = ["model=llama3_8b", "model.num_layers=2", "train.seq_len=4096", "train.precision=bf16", "train.steps=3"]
+
+
+def pick_micro_batch() -> int:
+    """The smallest micro-batch whose torch-engine estimate is between 50 and 70 GiB."""
+    for mbs in range(1, 33):
+        spec = run_spec(compose([*BIG, f"train.micro_batch_size={mbs}", "device=a100_80gb"]))
+        total = estimate(spec, engine="torch").total_bytes
+        if 50 * GIB <= total <= 70 * GIB:
+            return mbs
+    raise SystemExit("no micro-batch puts the estimate between 50 and 70 GiB")
+
+
+def points() -> list[tuple[str, list[str], str]]:
+    mbs = pick_micro_batch()
+    small = ["model=medium", "train.seq_len=1024", "train.micro_batch_size=4", "train.steps=3"]
+    return [
+        ("small, 1 rank", [*small, "device=h200_141gb"], "ok"),
+        (
+            "small, dp2 FSDP, 2 ranks on 1 GPU (gloo)",
+            [*small, "device=h200_141gb", "parallel.dp=2", "parallel.zero_stage=3"],
+            "ok",
+        ),
+        ("small, tp2, 2 ranks on 1 GPU (gloo)", [*small, "device=h200_141gb", "parallel.tp=2"], "ok"),
+        (
+            f"8B-shaped 2 layers, mbs {mbs}, as A100 40 GB",
+            [*BIG, f"train.micro_batch_size={mbs}", "device=a100_40gb"],
+            "oom",
+        ),
+        (
+            f"8B-shaped 2 layers, mbs {mbs}, as A100 80 GB",
+            [*BIG, f"train.micro_batch_size={mbs}", "device=a100_80gb"],
+            "ok",
+        ),
+    ]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT") or "results/gpu_check")
+    args = ap.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to check")
+        return 2
+    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    records, failures = [], 0
+    for name, overrides, expected in points():
+        start = time.perf_counter()
+        record = run_point(run_spec(compose(overrides)), timeout_s=150)
+        record["check_name"], record["check_expected"] = name, expected
+        records.append(record)
+        peak = record.get("peak_allocated_bytes")
+        est = record.get("est_total_bytes")
+        ok = record["status"] == expected
+        failures += not ok
+        print(
+            f"{'PASS' if ok else 'FAIL'} {name}: status {record['status']} (expected {expected}); "
+            f"peak {'—' if peak is None else f'{peak / GIB:.2f}'} GiB, estimate "
+            f"{'—' if est is None else f'{est / GIB:.2f}'} GiB, reserved "
+            f"{(record.get('peak_reserved_bytes') or 0) / GIB:.2f} GiB, "
+            f"{time.perf_counter() - start:.0f} s; {record.get('error') or ''}",
+            flush=True,
+        )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(json.dumps(records, indent=1, default=str))
+    print(f"{len(records) - failures}/{len(records)} as expected; records in {out / 'gpu_check.json'}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
