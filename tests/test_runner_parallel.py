@@ -90,6 +90,7 @@ LAYOUTS = {
         train_micro_batch_size=1,
         train_num_microbatches=2,
     ),
+    "dp2-pp2-zero0": dict(parallel_dp=2, parallel_pp=2, train_micro_batch_size=1, train_num_microbatches=2),
     "pp2-tp2-full": dict(
         parallel_pp=2,
         parallel_tp=2,

@@ -144,10 +144,10 @@ def test_gpu_device_without_cuda_is_invalid(no_leftovers):
     assert r["status"] == "invalid" and "needs CUDA" in r["error"]
 
 
-def test_pipeline_with_ddp_is_refused_before_launch(no_leftovers):
+def test_pipeline_with_sharded_optimizer_is_refused_before_launch(no_leftovers):
     def never(*args, **kwargs):  # pragma: no cover - must not be called
         raise AssertionError("a process was started")
 
-    s = spec("tiny", parallel_dp=2, parallel_pp=2, train_num_microbatches=2, **FAST)
+    s = spec("tiny", parallel_dp=2, parallel_pp=2, parallel_zero_stage=1, train_num_microbatches=2, **FAST)
     r = run_point(s, timeout_s=10, rank_fn=never)
-    assert r["status"] == "invalid" and "use zero_stage 2 or 3" in r["error"]
+    assert r["status"] == "invalid" and "use zero_stage 0, 2 or 3" in r["error"]

@@ -39,12 +39,12 @@ def runner_problems(spec: RunSpec) -> list[str]:
             f"train.steps={spec.train.steps}: the runner needs >= 2 (one warm-up, then measured steps)"
         )
     p = spec.parallel
-    if p.pp > 1 and p.zero_stage < 2 and p.dp * p.cp > 1:
-        # DDP's reducer breaks when a pipeline schedule runs several forwards before a backward
-        # ("rebuilt parameter indices size is not same as original model parameters size").
+    if p.pp > 1 and p.zero_stage == 1 and p.dp * p.cp > 1:
+        # Pipeline stages replicate with composable ``replicate`` (DTensor parameters), which
+        # ZeroRedundancyOptimizer cannot shard ("c10d.broadcast_ does not have a sharding strategy").
         out.append(
-            "the runner cannot combine pp > 1 with DDP (zero_stage 0/1) over dp·cp > 1: "
-            "DistributedDataParallel does not support torch.distributed.pipelining; use zero_stage 2 or 3"
+            "the runner cannot combine pp > 1 with zero_stage 1 over dp·cp > 1 (ZeroRedundancyOptimizer "
+            "does not accept the replicated DTensor parameters of pipeline stages); use zero_stage 0, 2 or 3"
         )
     if spec.device.name != "cpu":
         import torch

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 
 from harness.runner.parallel.context import apply_cp
-from harness.runner.parallel.data import apply_ddp, apply_fsdp, make_optimizer
+from harness.runner.parallel.data import apply_ddp, apply_fsdp, apply_replicate, make_optimizer
 from harness.runner.parallel.pipeline import build_schedule, split_stage, stage_ids
 from harness.runner.parallel.recompute import apply_recompute
 from harness.runner.parallel.tensor import apply_tp
@@ -77,6 +77,9 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
                 reshard_after_forward=p.zero_stage == 3,
                 param_dtype=torch.bfloat16 if bf16 else torch.float32,
             )
+    elif dp_cp is not None and p.pp > 1:
+        for mod in modules:
+            apply_replicate(mod, dp_cp, param_dtype=torch.bfloat16 if bf16 else torch.float32)
     elif dp_cp is not None:
         modules = [apply_ddp(mod, dp_cp, tensor_parallel=p.tp > 1) for mod in modules]
     params = [q for mod in modules for q in mod.parameters()]
@@ -93,8 +96,9 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
             num_microbatches=t.num_microbatches,
             loss_fn=loss_fn,
         )
-    # FSDP2 casts parameters itself; DDP and single-rank BF16 runs use autocast.
-    autocast = torch.bfloat16 if (bf16 and not (p.zero_stage >= 2 and dp_cp is not None)) else None
+    # FSDP2 and replicate cast parameters themselves; DDP and single-rank BF16 runs use autocast.
+    fsdp_like = dp_cp is not None and (p.zero_stage >= 2 or p.pp > 1)
+    autocast = torch.bfloat16 if (bf16 and not fsdp_like) else None
     return Parallelized(
         modules=modules,
         optimizer=optimizer,

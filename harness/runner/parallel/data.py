@@ -1,7 +1,11 @@
 """Data parallelism over the flattened dp×cp group, ZeRO stages 0–3 on PyTorch's own implementations.
 
-- 0: ``DistributedDataParallel`` (gradients all-reduced, everything replicated);
-- 1: DDP + ``ZeroRedundancyOptimizer`` (optimizer state sharded);
+- 0: ``DistributedDataParallel`` (gradients all-reduced, everything replicated); under pipeline
+  parallelism, whose schedules run several forwards before a backward and break DDP's reducer
+  ("rebuilt parameter indices size is not same as original model parameters size"), PyTorch's
+  composable ``replicate`` (the same replication built on FSDP2's machinery, which
+  ``torch.distributed.pipelining`` supports);
+- 1: the same + ``ZeroRedundancyOptimizer`` (optimizer state sharded);
 - 2: FSDP2 ``fully_shard(reshard_after_forward=False)`` (parameters stay unsharded until backward);
 - 3: FSDP2 ``fully_shard(reshard_after_forward=True)``.
 Context-parallel ranks hold the same parameters and different tokens, so they reduce gradients with the
@@ -27,6 +31,16 @@ def apply_fsdp(
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     # The root is needed at once by backward: FSDP2 keeps it unsharded after forward either way.
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+
+
+def apply_replicate(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype) -> None:
+    """ZeRO-0 for pipeline stages: per-block and root ``replicate`` (gradients all-reduced), in place."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in model.layers.values():
+        replicate(block, mesh=mesh, mp_policy=mp)
+    replicate(model, mesh=mesh, mp_policy=mp)
 
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh, *, tensor_parallel: bool) -> nn.Module:
