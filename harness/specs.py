@@ -1,8 +1,9 @@
 """Frozen specs of one training configuration, their single validation, and the stable config_id.
 
 Everything below the CLI (estimator, runner, store) takes these dataclasses; nothing here imports
-anything outside the standard library. A spec is built once, validated once (``validate``), and put
-into canonical form (``canonical``) so that two spellings of the same run share one ``config_id``.
+anything outside the standard library. A spec is built once, validated once (``problems`` lists every
+reason), and put into canonical form (``canonical``) so that two spellings of the same run share one
+``config_id``.
 """
 
 from __future__ import annotations
@@ -295,13 +296,6 @@ def canonical_form(spec: RunSpec) -> RunSpec:
     if t.num_microbatches is None:
         t = dataclasses.replace(t, num_microbatches=p.pp)
     return dataclasses.replace(spec, parallel=p, train=t)
-
-
-def validate(spec: RunSpec) -> None:
-    """Raise :class:`InvalidSpec` if ``spec`` cannot run (``canonical`` does this and more)."""
-    reasons = problems(spec)
-    if reasons:
-        raise InvalidSpec(reasons)
 
 
 def flat(spec: RunSpec) -> dict[str, Any]:

@@ -11,10 +11,17 @@ from pathlib import Path
 import pytest
 from conftest import spec
 
+from harness.record import STATUSES
 from harness.runner import worker
-from harness.runner.supervisor import run_point
+from harness.runner.supervisor import run_point as _run_point
 
 FAST = dict(train_precision="fp32", train_seq_len=32, train_steps=2)
+
+
+def run_point(*args, **kwargs) -> dict:
+    record = _run_point(*args, **kwargs)
+    assert record["status"] in STATUSES
+    return record
 
 
 def children() -> set[int]:

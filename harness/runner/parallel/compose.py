@@ -8,7 +8,7 @@ previous one produced. The mesh is (pp, dp, cp, tp), innermost tp: tp ranks are 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -40,8 +40,6 @@ class Parallelized:
     loss_parallel: bool
     autocast_dtype: torch.dtype | None
     positions: torch.Tensor | None = None
-    zero_stage: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -88,7 +86,7 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
     if p.pp > 1:
         schedule = build_schedule(
             modules,
-            [i for i in ids],
+            ids,
             num_stages=num_stages,
             group=mesh["pp"].get_group(),
             device=device,
@@ -108,7 +106,6 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
         loss_parallel=use_loss_parallel,
         autocast_dtype=autocast,
         positions=positions,
-        zero_stage=p.zero_stage,
     )
 
 
