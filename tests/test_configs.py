@@ -21,12 +21,13 @@ def test_the_cli_reads_this_tree():
 
 def test_there_are_presets_for_every_group():
     groups = {g for g, _ in PRESETS}
-    assert {"model", "parallel", "train", "device", "engine"} <= groups
+    assert {"model", "parallel", "train", "device", "engine", "study"} <= groups
 
 
 @pytest.mark.parametrize(("group", "name"), PRESETS, ids=[f"{g}/{n}" for g, n in PRESETS])
 def test_every_file_composes_into_a_valid_spec(group, name):
-    cfg = compose([f"{group}={name}"])
+    # Studies are not in the defaults list: they are appended (+study=…).
+    cfg = compose([f"+{group}={name}" if group == "study" else f"{group}={name}"])
     spec = canonical(run_spec(cfg))  # raises with the reasons if a preset is impossible
     assert engine_name(cfg) in ENGINES
     if group == "model":

@@ -21,6 +21,9 @@ commands:
   plan       every valid layout for plan.gpus devices, the ones that fit ranked, with predicted memory
   run        one short real training step of the configuration: peak memory per rank, step time,
              TFLOP/s, MFU, loss; or how it failed (oom, timeout, crash, invalid). Exit 0 for any outcome
+  sweep      a Hydra multirun (e.g. +study=cpu_smoke): every point one run, one parquet row in
+             results_dir; impossible and finished points are not launched, so a rerun resumes
+  results    status | compact [results_dir=DIR]: counts by status, or merge the runs into one file
 
 overrides are Hydra's: group=preset (model=llama3_8b device=h100_94gb engine=paper) and dotted keys
 (parallel.tp=2 train.seq_len=8192 format=json). See sweeps/config.yaml for every key.
@@ -97,7 +100,44 @@ def _run(overrides: Sequence[str]) -> int:
     return 0  # every recorded outcome, including oom/timeout/crash/invalid, is a success of the command
 
 
-COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"estimate": _estimate, "plan": _plan, "run": _run}
+def _sweep(overrides: Sequence[str]) -> int:
+    from harness.cli.sweep import sweep
+
+    return sweep(overrides)
+
+
+def _results(args: Sequence[str]) -> int:
+    """`harness results status|compact [results_dir=DIR]`."""
+    from harness.store import compact, load_results, status_counts
+
+    action = args[0] if args and "=" not in args[0] else "status"
+    opts = dict(a.split("=", 1) for a in args if "=" in a)
+    unknown = set(opts) - {"results_dir"}
+    if unknown or action not in ("status", "compact"):
+        raise ValueError(f"usage: harness results status|compact [results_dir=DIR] (got {list(args)})")
+    root = opts.get("results_dir", "results")
+    if action == "compact":
+        path, n, bad = compact(root)
+        print(f"{n} runs → {path}")
+    else:
+        frame, bad = load_results(root)
+        counts = status_counts(frame)
+        print(
+            f"{root}: {len(frame)} runs: "
+            + (", ".join(f"{s} {n}" for s, n in counts.most_common()) or "none")
+        )
+    for line in bad:
+        print(f"unreadable: {line}", file=sys.stderr)
+    return 0
+
+
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
+    "estimate": _estimate,
+    "plan": _plan,
+    "run": _run,
+    "sweep": _sweep,
+    "results": _results,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -112,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"harness: unknown command {command!r} (commands: {', '.join(COMMANDS)})", file=sys.stderr)
         return 2
-    bad = [o for o in overrides if "=" not in o]
+    bad = [o for o in overrides if "=" not in o and not (command == "results" and o == overrides[0])]
     if bad:
         print(f"harness {command}: error: override {bad[0]!r} is not key=value", file=sys.stderr)
         return 2

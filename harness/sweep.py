@@ -1,0 +1,146 @@
+"""Sweeps: which points of a Hydra grid to launch, the job that runs one point, and progress.
+
+Nothing here imports torch; the job imports the runner when it runs a point.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from harness.record import invalid_record
+from harness.specs import InvalidSpec, canonical, config_id, from_dict, raw_id
+from harness.store import existing_ids, record_path, write_record
+
+
+def spec_of(cfg: dict[str, Any]):
+    return from_dict({k: cfg.get(k) for k in ("model", "parallel", "train", "device")})
+
+
+def point_id(cfg: dict[str, Any]) -> str:
+    spec = spec_of(cfg)
+    try:
+        return config_id(spec)
+    except InvalidSpec:
+        return raw_id(spec)
+
+
+def triage(points: list, configs: list[dict[str, Any]]) -> tuple[list[tuple[Any, dict]], str]:
+    """Decide each composed point: launch it, or write its row now (invalid, predicted out of memory), or
+    skip it (a result exists). Returns the points to launch and a one-line summary."""
+    from harness.estimate import estimate
+
+    launch, counts = [], Counter()
+    done_by_dir: dict[str, set[str]] = {}
+    for point, cfg in zip(points, configs, strict=True):
+        results_dir = cfg["results_dir"]
+        done = done_by_dir.setdefault(results_dir, existing_ids(results_dir))
+        try:
+            spec = spec_of(cfg)
+        except InvalidSpec as exc:  # an unknown key is the study file's mistake: stop, say which
+            raise SystemExit(f"harness sweep: error: {exc}") from None
+        cid = point_id(cfg)
+        if cid in done:
+            counts["already done"] += 1
+            continue
+        try:
+            spec = canonical(spec)
+        except InvalidSpec as exc:
+            write_record(_tag(invalid_record(spec, str(exc)), cfg), results_dir)
+            done.add(cid)
+            counts["invalid (row written)"] += 1
+            continue
+        sweep = cfg.get("sweep", {})
+        if sweep.get("prune_predicted_oom"):
+            est = estimate(spec, engine="torch")
+            factor = float(sweep.get("prune_factor", 2.0))
+            if est.utilisation > factor:
+                row = invalid_record(
+                    spec, f"estimate {est.utilisation:.2f}× capacity > prune_factor {factor}"
+                )
+                row["status"] = "skipped_predicted_oom"
+                write_record(_tag(row, cfg), results_dir)
+                done.add(cid)
+                counts["skipped, predicted out of memory (row written)"] += 1
+                continue
+        done.add(cid)  # a duplicate point of the grid launches once
+        launch.append((point, cfg))
+        counts["to launch"] += 1
+    order = (
+        "to launch",
+        "already done",
+        "invalid (row written)",
+        "skipped, predicted out of memory (row written)",
+    )
+    summary = f"harness sweep: {len(points)} points: " + ", ".join(
+        f"{counts[k]} {k}" for k in order if counts[k]
+    )
+    return launch, summary
+
+
+def _tag(row: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    row["sweep_name"] = cfg.get("sweep", {}).get("name")
+    return row
+
+
+def run_job(cfg: dict[str, Any]) -> str:
+    """One sweep point: run it and write exactly one row, whatever happens (never raises)."""
+    results_dir = cfg["results_dir"]
+    cid = point_id(cfg)
+    if record_path(results_dir, cid).exists():  # a second line of defence against double runs
+        return "already done"
+    start = time.monotonic()
+    try:
+        from harness.runner.supervisor import run_point
+
+        row = run_point(spec_of(cfg), timeout_s=float(cfg["run"]["timeout_s"]))
+    except Exception as exc:
+        row = invalid_record(spec_of(cfg), "")
+        row.update(
+            status="crash",
+            error=f"supervisor: {type(exc).__name__}: {exc}",
+            traceback=traceback.format_exc()[-2000:],
+        )
+    row["config_id"] = cid
+    write_record(_tag(row, cfg), results_dir)
+    print(progress_line(results_dir, row, time.monotonic() - start), flush=True)
+    return row["status"]
+
+
+PLAN_FILE = ".sweep-plan.json"
+DONE_FILE = ".sweep-done.log"
+
+
+def start_progress(results_dir: str, *, name: str, launched: int) -> None:
+    """Called by the sweeper before launching: how many points, since when; the done-log restarts."""
+    root = Path(results_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / PLAN_FILE).write_text(json.dumps({"name": name, "launched": launched, "started": time.time()}))
+    (root / DONE_FILE).write_text("")
+
+
+def progress_line(results_dir: str, row: dict[str, Any], seconds: float) -> str:
+    """``[3/12] ok dp=2 tp=1 pp=1 cp=1 zero=0 4.1 s | ok 2, oom 1 | about 35 s left``: one line per
+    finished point. Jobs append their status to a log (one short O_APPEND write each: whole lines even
+    with concurrent jobs)."""
+    root = Path(results_dir)
+    layout = " ".join(
+        f"{k[9:]}={row[k]}" for k in ("parallel_dp", "parallel_tp", "parallel_pp", "parallel_cp") if k in row
+    )
+    head = f"{row['status']} {layout} zero={row.get('parallel_zero_stage')} {seconds:.1f} s"
+    try:
+        plan = json.loads((root / PLAN_FILE).read_text())
+        with open(root / DONE_FILE, "a") as log:
+            log.write(f"{row['status']}\n")
+        statuses = (root / DONE_FILE).read_text().split()
+    except (OSError, ValueError):
+        return head
+    done, total = len(statuses), plan["launched"]
+    counts = ", ".join(f"{s} {n}" for s, n in Counter(statuses).most_common())
+    elapsed = time.time() - plan["started"]
+    left = f" | about {elapsed / done * (total - done):.0f} s left" if 0 < done < total else ""
+    return f"[{done}/{total}] {head} | {counts}{left}"

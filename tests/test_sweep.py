@@ -1,0 +1,82 @@
+"""Sweeps end to end: every point ends as exactly one row; an interrupted sweep resumes without
+running anything twice; an impossible layout is a row and the sweep goes on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from harness.store import load_results, result_files
+
+SMALL = ["+study=cpu_smoke", "train.seq_len=32", "parallel.zero_stage=0"]
+
+
+def sweep(results_dir, *overrides, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "harness",
+            "sweep",
+            *SMALL,
+            f"results_dir={results_dir}",
+            "sweep.name=t",
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        **kwargs,
+    )
+
+
+def test_invalid_point_is_a_row_and_the_sweep_goes_on(tmp_path):
+    r = sweep(tmp_path, "parallel.dp=1", "parallel.tp=1,3")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "2 points: 1 to launch, 1 invalid (row written)" in r.stdout
+    assert "[1/1] ok" in r.stdout
+    frame, bad = load_results(tmp_path)
+    assert bad == [] and sorted(frame["status"]) == ["invalid", "ok"]
+    invalid = frame[frame["status"] == "invalid"].iloc[0]
+    assert "num_heads 4 % tp 3" in invalid["error"] and invalid["sweep_name"] == "t"
+    # Resume: nothing left to do, nothing runs twice.
+    again = sweep(tmp_path, "parallel.dp=1", "parallel.tp=1,3")
+    assert "2 points: 2 already done" in again.stdout
+    assert len(result_files(tmp_path)) == 2
+
+
+def test_interrupted_sweep_resumes_with_every_point_exactly_once(tmp_path):
+    overrides = ["parallel.dp=1,2", "parallel.tp=1,2"]
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "harness",
+            "sweep",
+            *SMALL,
+            f"results_dir={tmp_path}",
+            "sweep.name=t",
+            *overrides,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 300
+    while len(result_files(tmp_path)) < 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # the sweep and the ranks of the point it was running
+    proc.wait()
+    first = {p.stem: p.stat().st_mtime_ns for p in result_files(tmp_path)}
+    assert 1 <= len(first) < 4
+    r = sweep(tmp_path, *overrides)
+    assert r.returncode == 0, r.stderr[-2000:]
+    frame, bad = load_results(tmp_path)
+    assert bad == [] and len(frame) == 4 and frame["config_id"].is_unique
+    assert set(frame["status"]) == {"ok"}
+    # The points finished before the interruption were not run again.
+    assert {p.stem: p.stat().st_mtime_ns for p in result_files(tmp_path) if p.stem in first} == first
