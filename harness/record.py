@@ -7,6 +7,7 @@ Column names are the public contract of ARCHITECTURE.md: every spec field by its
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import platform
@@ -25,6 +26,7 @@ SCHEMA_VERSION = 1
 STATUSES = ("ok", "oom", "timeout", "crash", "invalid", "skipped_predicted_oom")
 
 
+@functools.lru_cache(maxsize=1)
 def git_revision() -> str | None:
     """The source tree's commit, when it is a git checkout (None otherwise)."""
     root = Path(__file__).resolve().parents[1]

@@ -106,6 +106,7 @@ def run_job(cfg: dict[str, Any]) -> str:
             traceback=traceback.format_exc()[-2000:],
         )
     row["config_id"] = cid
+    row["finished_at"] = time.time()  # Unix time; gaps between points measure the sweep's overhead
     write_record(_tag(row, cfg), results_dir)
     print(progress_line(results_dir, row, time.monotonic() - start), flush=True)
     return row["status"]
