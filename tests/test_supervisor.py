@@ -158,3 +158,25 @@ def test_pipeline_with_sharded_optimizer_is_refused_before_launch(no_leftovers):
     s = spec("tiny", parallel_dp=2, parallel_pp=2, parallel_zero_stage=1, train_num_microbatches=2, **FAST)
     r = run_point(s, timeout_s=10, rank_fn=never)
     assert r["status"] == "invalid" and "use zero_stage 0, 2 or 3" in r["error"]
+
+
+def test_straggler_killed_after_a_failure_is_not_blamed(monkeypatch, no_leftovers):
+    # Rank 1 raises; rank 0 is stuck (not in a collective that would notice): the supervisor kills it
+    # after its grace period, and the record still names rank 1 and its error.
+    import harness.runner.supervisor as supervisor
+
+    monkeypatch.setattr(supervisor, "GRACE_S", 2.0)
+    real = worker.train_step
+
+    def step(par, tokens, targets, **kw):
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            raise RuntimeError("injected on rank 1")
+        time.sleep(10_000)
+        return real(par, tokens, targets, **kw)
+
+    monkeypatch.setattr(worker, "train_step", step)
+    r = run_point(spec("tiny", parallel_dp=2, **FAST), timeout_s=60)
+    assert r["status"] == "crash"
+    assert r["error_rank"] == 1 and r["error"] == "RuntimeError: injected on rank 1"

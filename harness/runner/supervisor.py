@@ -141,18 +141,18 @@ def run_point(
             if first_failure is not None and now - first_failure >= GRACE_S:
                 break
             time.sleep(POLL_S)
-        for proc in procs:  # reap everything, whatever state it is in
+        killed_here = set()
+        for r, proc in enumerate(procs):  # reap everything, whatever state it is in
             if proc.exitcode is None:
                 os.kill(proc.pid, signal.SIGKILL)
+                killed_here.add(r)
             proc.join(timeout=10)
         wall = time.monotonic() - start
         ranks = [_read(out_dir, r) for r in range(world)]
         codes = [proc.exitcode for proc in procs]
-        failed = [
-            (r, c, ranks[r])
-            for r, c in enumerate(codes)
-            if c != 0 and not (timed_out and "error" not in ranks[r])
-        ]
+        # Ranks this supervisor killed (stragglers after a failure, or everyone at the deadline) are
+        # not the cause of anything.
+        failed = [(r, c, ranks[r]) for r, c in enumerate(codes) if c != 0 and r not in killed_here]
         device_name = _device_name(spec)
         common = {"wall_s": wall, "device_name": device_name}
         if timed_out and not any("error" in ranks[r] for r in range(world)):
