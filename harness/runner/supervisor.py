@@ -155,16 +155,6 @@ def run_point(
         failed = [(r, c, ranks[r]) for r, c in enumerate(codes) if c != 0 and r not in killed_here]
         device_name = _device_name(spec)
         common = {"wall_s": wall, "device_name": device_name}
-        if timed_out and not any("error" in ranks[r] for r in range(world)):
-            return finish_record(
-                spec,
-                ranks,
-                status="timeout",
-                error=f"no result within {timeout_s:g} s; all {world} ranks killed",
-                error_rank=None,
-                exit_code=None,
-                **common,
-            )
         if failed:
             rank, code, info = _culprit(failed)
             status = "oom" if any(r[2].get("oom") for r in failed) else "crash"
@@ -176,6 +166,16 @@ def run_point(
                 )
             return finish_record(
                 spec, ranks, status=status, error=error, error_rank=rank, exit_code=code, **common
+            )
+        if timed_out:
+            return finish_record(
+                spec,
+                ranks,
+                status="timeout",
+                error=f"no result within {timeout_s:g} s; {len(killed_here)} of {world} ranks killed",
+                error_rank=None,
+                exit_code=None,
+                **common,
             )
         return finish_record(spec, ranks, status="ok", error=None, error_rank=None, exit_code=0, **common)
 
