@@ -58,6 +58,7 @@ def environment(device_name: str | None = None) -> dict[str, Any]:
         "env_git_revision": git_revision(),
         "env_device_name": device_name,
         "env_cpu_count": os.cpu_count(),
+        "env_slurm_job_id": os.environ.get("SLURM_JOB_ID"),
     }
 
 

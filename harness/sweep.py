@@ -6,6 +6,8 @@ Nothing here imports torch; the job imports the runner when it runs a point.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 import traceback
 from collections import Counter
@@ -87,24 +89,45 @@ def _tag(row: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+class SlurmSignal(Exception):
+    """Slurm signalled the job: its time limit is near (submitit's --signal=USR2@…) or it is ending."""
+
+
+def _raise_slurm_signal(signum, frame):
+    raise SlurmSignal(f"Slurm sent {signal.Signals(signum).name}: the job's time limit (or a preemption)")
+
+
 def run_job(cfg: dict[str, Any]) -> str:
-    """One sweep point: run it and write exactly one row, whatever happens (never raises)."""
+    """One sweep point: run it and write exactly one row, whatever happens (never raises).
+
+    Under Slurm, USR2 (sent ``signal_delay_s`` before the time limit) and TERM interrupt the point:
+    its ranks are reaped and its row says ``timeout`` with the reason. (Left to submitit's own handler,
+    the signal would surface as an unrelated requeue error.)
+    """
     results_dir = cfg["results_dir"]
     cid = point_id(cfg)
     if record_path(results_dir, cid).exists():  # a second line of defence against double runs
         return "already done"
     start = time.monotonic()
+    previous = {}
+    if os.environ.get("SLURM_JOB_ID"):
+        previous = {s: signal.signal(s, _raise_slurm_signal) for s in (signal.SIGUSR2, signal.SIGTERM)}
     try:
         from harness.runner.supervisor import run_point
 
         row = run_point(spec_of(cfg), timeout_s=float(cfg["run"]["timeout_s"]))
-    except Exception as exc:
+    except Exception as exc:  # the supervisor failed or was interrupted: still one row
         row = invalid_record(spec_of(cfg), "")
+        timeout = isinstance(exc, SlurmSignal)
         row.update(
-            status="crash",
-            error=f"supervisor: {type(exc).__name__}: {exc}",
-            traceback=traceback.format_exc()[-2000:],
+            status="timeout" if timeout else "crash",
+            error=str(exc) if timeout else f"supervisor: {type(exc).__name__}: {exc}",
+            traceback=None if timeout else traceback.format_exc()[-2000:],
+            wall_s=time.monotonic() - start,
         )
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     row["config_id"] = cid
     row["finished_at"] = time.time()  # Unix time; gaps between points measure the sweep's overhead
     write_record(_tag(row, cfg), results_dir)

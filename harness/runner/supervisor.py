@@ -125,28 +125,34 @@ def run_point(
             for r in range(world)
         ]
         start = time.monotonic()
-        for proc in procs:
-            proc.start()
         deadline, first_failure, timed_out = start + timeout_s, None, False
-        while True:
-            codes = [proc.exitcode for proc in procs]
-            if all(c is not None for c in codes):
-                break
-            now = time.monotonic()
-            if first_failure is None and any(c not in (None, 0) for c in codes):
-                first_failure = now
-            if now >= deadline:
-                timed_out = True
-                break
-            if first_failure is not None and now - first_failure >= GRACE_S:
-                break
-            time.sleep(POLL_S)
-        killed_here = set()
-        for r, proc in enumerate(procs):  # reap everything, whatever state it is in
-            if proc.exitcode is None:
-                os.kill(proc.pid, signal.SIGKILL)
-                killed_here.add(r)
-            proc.join(timeout=10)
+        killed_here: set[int] = set()
+        try:
+            for proc in procs:
+                proc.start()
+            while True:
+                codes = [proc.exitcode for proc in procs]
+                if all(c is not None for c in codes):
+                    break
+                now = time.monotonic()
+                if first_failure is None and any(c not in (None, 0) for c in codes):
+                    first_failure = now
+                if now >= deadline:
+                    timed_out = True
+                    break
+                if first_failure is not None and now - first_failure >= GRACE_S:
+                    break
+                time.sleep(POLL_S)
+        finally:
+            # Reap everything, whatever state it is in — also when this loop is interrupted (a signal
+            # from Slurm raised in this process, Ctrl-C): no rank outlives its point.
+            for r, proc in enumerate(procs):
+                if proc.pid is None:
+                    continue
+                if proc.exitcode is None:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    killed_here.add(r)
+                proc.join(timeout=10)
         wall = time.monotonic() - start
         ranks = [_read(out_dir, r) for r in range(world)]
         codes = [proc.exitcode for proc in procs]

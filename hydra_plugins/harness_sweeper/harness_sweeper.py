@@ -36,6 +36,10 @@ class HarnessSweeper(BasicSweeper):
         # loads plugins outside sys.modules, where dataclasses cannot resolve string annotations
         super().__init__(max_batch_size=max_batch_size, params=params)
 
+    def setup(self, *, hydra_context, task_function, config) -> None:
+        super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
+        self.launcher.launch = _report_lost_jobs(self.launcher.launch)
+
     def validate_batch_is_legal(self, batch) -> None:
         """No-op: ``split_arguments`` has already composed every point (the basic sweeper would compose
         each one once more here, ~0.2 s a point on 2 cores, only to check that it composes)."""
@@ -58,3 +62,24 @@ class HarnessSweeper(BasicSweeper):
             start_progress(configs[0]["results_dir"], name=configs[0]["sweep"]["name"], launched=len(keep))
         size = max_batch_size or len(keep) or 1
         return [keep[i : i + size] for i in range(0, len(keep), size)]
+
+
+def _report_lost_jobs(launch):
+    """A job that ends without reporting (Slurm's time limit, a lost node) makes submitit raise inside
+    ``launch`` and would abort the whole sweep. Every job writes its own row, so the batch's other
+    points are safe: say what happened and go on; the lost point has no row, so the next run of the
+    same sweep runs it again."""
+
+    def wrapped(job_overrides, initial_job_idx):
+        try:
+            return launch(job_overrides, initial_job_idx=initial_job_idx)
+        except Exception as exc:  # reported, and the sweep goes on
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            print(
+                f"harness sweep: a job of this batch ended without reporting ({type(exc).__name__}: "
+                f"{first}); its point has no row and the next run of this sweep runs it again",
+                flush=True,
+            )
+            return []
+
+    return wrapped

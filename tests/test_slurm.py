@@ -1,0 +1,74 @@
+"""Sweeps through a real Slurm (scripts/slurm_local.sh start): every point a row, including one that
+Slurm kills at its time limit, which the next run of the sweep runs again. Marked ``slurm``; skipped
+when no Slurm answers."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from harness.store import load_results
+
+pytestmark = pytest.mark.slurm
+
+
+def slurm_is_up() -> bool:
+    if not shutil.which("sinfo"):
+        return False
+    r = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=20, check=False)
+    return r.returncode == 0 and any(state in r.stdout for state in ("idle", "mix", "alloc"))
+
+
+@pytest.fixture(autouse=True)
+def needs_slurm():
+    if not slurm_is_up():
+        pytest.skip("no Slurm cluster answers (bash scripts/slurm_local.sh start)")
+
+
+def sweep(results_dir, *overrides) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "harness",
+            "sweep",
+            "+study=cpu_smoke",
+            f"results_dir={results_dir}",
+            "sweep.name=slurm",
+            "hydra/launcher=submitit_slurm",
+            "parallel.tp=1",
+            "parallel.zero_stage=0",
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+
+
+def test_points_run_as_slurm_jobs_and_a_time_limit_kill_is_a_row(tmp_path):
+    # Two normal points and two that cannot finish inside Slurm's 1-minute limit (their own timeout is
+    # longer, so only Slurm can end them: submitit asks for USR2 5 s before the limit).
+    r = sweep(
+        tmp_path,
+        "parallel.dp=1,2",
+        "train.steps=2,100000",
+        "run.timeout_s=600",
+        "hydra.launcher.timeout_min=1",
+        "hydra.launcher.signal_delay_s=5",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    frame, bad = load_results(tmp_path)
+    assert bad == [] and len(frame) == 4
+    assert frame["env_slurm_job_id"].notna().all()  # they ran as Slurm jobs
+    short, long = frame[frame["train_steps"] == 2], frame[frame["train_steps"] == 100000]
+    assert set(short["status"]) == {"ok"}
+    assert set(long["status"]) == {"timeout"}
+    assert long["error"].str.contains("Slurm sent SIGUSR2").all()
+    # Resume: every point has its row, nothing runs again.
+    again = sweep(tmp_path, "parallel.dp=1,2", "train.steps=2,100000", "run.timeout_s=600")
+    assert "4 points: 4 already done" in again.stdout
