@@ -7,11 +7,11 @@
 #   bash scripts/slurm_local.sh start    # idempotent; waits until the node is idle
 #   bash scripts/slurm_local.sh stop
 #
-# Knobs: SLURM_LOCAL_DIR (state, logs; default /var/tmp/harness-slurm), SLURM_LOCAL_CPUS (CPUs
+# Knobs: SLURM_LOCAL_DIR (state, logs; default /var/lib/harness-slurm), SLURM_LOCAL_CPUS (CPUs
 # advertised, above the real count so 8-rank jobs fit; default 16).
 set -euo pipefail
 
-DIR=${SLURM_LOCAL_DIR:-/var/tmp/harness-slurm}
+DIR=${SLURM_LOCAL_DIR:-/var/lib/harness-slurm}
 CONF=/etc/slurm/slurm.conf
 NODE=$(hostname -s 2>/dev/null || uname -n)
 CPUS=${SLURM_LOCAL_CPUS:-16}
