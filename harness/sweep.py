@@ -139,12 +139,27 @@ PLAN_FILE = ".sweep-plan.json"
 DONE_FILE = ".sweep-done.log"
 
 
-def start_progress(results_dir: str, *, name: str, launched: int) -> None:
-    """Called by the sweeper before launching: how many points, since when; the done-log restarts."""
+def start_progress(results_dir: str, *, name: str, launched: int, planned: list[str]) -> None:
+    """Called by the sweeper before launching: the sweep's points (config_ids), how many it launches,
+    since when; the done-log restarts."""
     root = Path(results_dir)
     root.mkdir(parents=True, exist_ok=True)
-    (root / PLAN_FILE).write_text(json.dumps({"name": name, "launched": launched, "started": time.time()}))
+    plan = {"name": name, "launched": launched, "started": time.time(), "planned": planned}
+    (root / PLAN_FILE).write_text(json.dumps(plan))
     (root / DONE_FILE).write_text("")
+
+
+def what_is_left(results_dir: str) -> str | None:
+    """``sweep cpu_smoke: 8 points, 6 with a row, 2 left`` for the last sweep started in the directory
+    (None when no sweep was started there)."""
+    try:
+        plan = json.loads((Path(results_dir) / PLAN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    planned = set(plan.get("planned", []))
+    done = planned & existing_ids(results_dir)
+    left = len(planned) - len(done)
+    return f"sweep {plan['name']}: {len(planned)} points, {len(done)} with a row, {left} left"
 
 
 def progress_line(results_dir: str, row: dict[str, Any], seconds: float) -> str:

@@ -73,6 +73,14 @@ def test_interrupted_sweep_resumes_with_every_point_exactly_once(tmp_path):
     proc.wait()
     first = {p.stem: p.stat().st_mtime_ns for p in result_files(tmp_path)}
     assert 1 <= len(first) < 4
+    status = subprocess.run(
+        [sys.executable, "-m", "harness", "results", "status", f"results_dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert f"sweep t: 4 points, {len(first)} with a row, {4 - len(first)} left" in status.stdout
     r = sweep(tmp_path, *overrides)
     assert r.returncode == 0, r.stderr[-2000:]
     frame, bad = load_results(tmp_path)

@@ -109,6 +109,7 @@ def _sweep(overrides: Sequence[str]) -> int:
 def _results(args: Sequence[str]) -> int:
     """`harness results status|compact [results_dir=DIR]`."""
     from harness.store import compact, load_results, status_counts
+    from harness.sweep import what_is_left
 
     action = args[0] if args and "=" not in args[0] else "status"
     opts = dict(a.split("=", 1) for a in args if "=" in a)
@@ -126,6 +127,9 @@ def _results(args: Sequence[str]) -> int:
             f"{root}: {len(frame)} runs: "
             + (", ".join(f"{s} {n}" for s, n in counts.most_common()) or "none")
         )
+        left = what_is_left(root)
+        if left:
+            print(left)
     for line in bad:
         print(f"unreadable: {line}", file=sys.stderr)
     return 0

@@ -45,7 +45,7 @@ class HarnessSweeper(BasicSweeper):
         each one once more here, ~0.2 s a point on 2 cores, only to check that it composes)."""
 
     def split_arguments(self, overrides, max_batch_size):  # type: ignore[override]
-        from harness.sweep import start_progress, triage
+        from harness.sweep import point_id, start_progress, triage
 
         points = [p for batch in BasicSweeper.split_arguments(overrides, None) for p in batch]
         configs = []
@@ -59,7 +59,12 @@ class HarnessSweeper(BasicSweeper):
         print(summary, flush=True)
         keep = [p for p, _ in launch]
         if configs:
-            start_progress(configs[0]["results_dir"], name=configs[0]["sweep"]["name"], launched=len(keep))
+            start_progress(
+                configs[0]["results_dir"],
+                name=configs[0]["sweep"]["name"],
+                launched=len(keep),
+                planned=sorted({point_id(c) for c in configs}),
+            )
         size = max_batch_size or len(keep) or 1
         return [keep[i : i + size] for i in range(0, len(keep), size)]
 
