@@ -68,3 +68,13 @@ def in_fresh_process(fn, *args):
 
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         return pool.apply(fn, args)
+
+
+def harness_cli(*args: str, timeout: float = 600):
+    """``python -m harness ARGS`` as a user runs it: its exit code, stdout and stderr."""
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "harness", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )

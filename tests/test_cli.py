@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import harness_cli
 
 from harness.cli.main import main
 
@@ -23,9 +24,7 @@ EXAMPLE = [
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "harness", *args], capture_output=True, text=True, timeout=120, check=False
-    )
+    return harness_cli(*args, timeout=120)
 
 
 def test_estimate_table_as_in_the_issue():

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from conftest import device, model
+from conftest import device, model, spec
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -138,20 +138,20 @@ def test_zero3_costs_memory_when_the_root_dominates_a_small_model():
     # tiny: embedding + head are 1.05 M of 1.79 M parameters. FSDP2 keeps the root unsharded from
     # forward to backward, so with d = 2 the all-gathered root and two layers (2.3 MB in BF16) exceed
     # what sharding the FP32 weights saves.
-    s = canonical(RunSpec(model("tiny"), ParallelSpec(dp=2, zero_stage=2), TrainSpec(), device("cpu")))
+    s = spec("tiny", "cpu", parallel_dp=2, parallel_zero_stage=2)
     assert _total(s, "megatron", zero_stage=3) > _total(s, "megatron")
 
 
 def test_torch_pipeline_receive_buffers_can_outweigh_the_split_for_a_tiny_model():
     # torch.distributed.pipelining allocates a receive buffer per micro-batch and direction at the
     # start of the step: 32 micro-batches of s·b·h FP32 on a 1.8 M-parameter model outweigh halving it.
-    s = canonical(
-        RunSpec(
-            model("tiny"),
-            ParallelSpec(),
-            TrainSpec(micro_batch_size=4, num_microbatches=32, precision="fp32", recompute="full"),
-            device("cpu"),
-        )
+    s = spec(
+        "tiny",
+        "cpu",
+        train_micro_batch_size=4,
+        train_num_microbatches=32,
+        train_precision="fp32",
+        train_recompute="full",
     )
     assert _total(s, "torch", pp=2) > _total(s, "torch")
 
@@ -159,13 +159,15 @@ def test_torch_pipeline_receive_buffers_can_outweigh_the_split_for_a_tiny_model(
 def test_torch_pipeline_receive_buffers_can_outweigh_the_split_at_scale():
     # Found by the property test: Llama-2-7B, tp 4 without SP, s 8192, b 8, 32 micro-batches, FP32:
     # each receive buffer is s·b·h·4 B = 1 GiB, 32 per direction, more than splitting the model saves.
-    s = canonical(
-        RunSpec(
-            model("llama2_7b"),
-            ParallelSpec(tp=4, sequence_parallel=False),
-            TrainSpec(seq_len=8192, micro_batch_size=8, num_microbatches=32, precision="fp32"),
-            device("h100_80gb"),
-        )
+    s = spec(
+        "llama2_7b",
+        "h100_80gb",
+        parallel_tp=4,
+        parallel_sequence_parallel=False,
+        train_seq_len=8192,
+        train_micro_batch_size=8,
+        train_num_microbatches=32,
+        train_precision="fp32",
     )
     assert estimate(grown(s, pp=2), engine="torch").worst.terms["pp_p2p"] == 32 * 2**30
     assert _total(s, "torch", pp=2) > _total(s, "torch")
@@ -176,13 +178,13 @@ def test_fsdp_without_resharding_in_fp32_saves_nothing_over_zero1_at_two_ranks()
     # FP32 weights + 4N/2 grads + 8N/2 optimizer = 12N too, and it adds a layer's reduce-scatter buffer
     # (0.8 GB) where DDP has a 25 MiB bucket. With activations (b = 8) above the optimizer step's buffer,
     # ZeRO-2 ends up larger.
-    s = canonical(
-        RunSpec(
-            model("llama2_7b"),
-            ParallelSpec(dp=2, zero_stage=1),
-            TrainSpec(precision="fp32", micro_batch_size=8),
-            device("h100_80gb"),
-        )
+    s = spec(
+        "llama2_7b",
+        "h100_80gb",
+        parallel_dp=2,
+        parallel_zero_stage=1,
+        train_precision="fp32",
+        train_micro_batch_size=8,
     )
     assert _total(s, "torch", zero_stage=2) > _total(s, "torch")
 
@@ -190,15 +192,17 @@ def test_fsdp_without_resharding_in_fp32_saves_nothing_over_zero1_at_two_ranks()
 def test_interleaved_stage0_activations_grow_with_pipeline_depth():
     # Korthikanti's factor for stage 0: p = 2 → 1 + 1/4, p = 4 → 1 + 3/8 of L layers' activations.
     # With activations dominant (math attention, b = 4, FP32) that outgrows the halved states.
-    s = canonical(
-        RunSpec(
-            model("llama2_7b"),
-            ParallelSpec(pp=2, pp_schedule="interleaved_1f1b", virtual_stages=2),
-            TrainSpec(
-                seq_len=2048, micro_batch_size=4, num_microbatches=8, precision="fp32", attention="math"
-            ),
-            device("h100_80gb"),
-        )
+    s = spec(
+        "llama2_7b",
+        "h100_80gb",
+        parallel_pp=2,
+        parallel_pp_schedule="interleaved_1f1b",
+        parallel_virtual_stages=2,
+        train_seq_len=2048,
+        train_micro_batch_size=4,
+        train_num_microbatches=8,
+        train_precision="fp32",
+        train_attention="math",
     )
     deeper = grown(s, pp=4)
     acts = [estimate(x, engine="megatron").stages[0].terms["activations"] for x in (s, deeper)]
@@ -210,13 +214,14 @@ def test_zero3_loses_when_a_stage_holds_few_layers():
     # Found by the property test: Llama-2-7B, pp 8 (4 layers a stage), cp 2 (d·c = 2), megatron BF16.
     # Sharding the 2-byte weights over 2 saves N = 4·202 M + 131 M (embedding) bytes on stage 0; the
     # current and prefetched layers plus the root, all-gathered in BF16, cost 2·(2·202 M + 131 M).
-    s = canonical(
-        RunSpec(
-            model("llama2_7b"),
-            ParallelSpec(pp=8, cp=2, pp_schedule="gpipe", zero_stage=2),
-            TrainSpec(num_microbatches=1),
-            device("h100_80gb"),
-        )
+    s = spec(
+        "llama2_7b",
+        "h100_80gb",
+        parallel_pp=8,
+        parallel_cp=2,
+        parallel_pp_schedule="gpipe",
+        parallel_zero_stage=2,
+        train_num_microbatches=1,
     )
     assert _total(s, "megatron", zero_stage=3) > _total(s, "megatron")
 

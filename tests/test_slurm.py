@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 
 import pytest
+from conftest import harness_cli
 
 from harness.store import load_results
 
@@ -29,24 +29,16 @@ def needs_slurm():
 
 
 def sweep(results_dir, *overrides) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "harness",
-            "sweep",
-            "+study=cpu_smoke",
-            f"results_dir={results_dir}",
-            "sweep.name=slurm",
-            "hydra/launcher=submitit_slurm",
-            "parallel.tp=1",
-            "parallel.zero_stage=0",
-            *overrides,
-        ],
-        capture_output=True,
-        text=True,
+    return harness_cli(
+        "sweep",
+        "+study=cpu_smoke",
+        f"results_dir={results_dir}",
+        "sweep.name=slurm",
+        "hydra/launcher=submitit_slurm",
+        "parallel.tp=1",
+        "parallel.zero_stage=0",
+        *overrides,
         timeout=900,
-        check=False,
     )
 
 

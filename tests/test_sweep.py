@@ -9,29 +9,15 @@ import subprocess
 import sys
 import time
 
+from conftest import harness_cli
+
 from harness.store import load_results, result_files
 
 SMALL = ["+study=cpu_smoke", "train.seq_len=32", "parallel.zero_stage=0"]
 
 
-def sweep(results_dir, *overrides, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "harness",
-            "sweep",
-            *SMALL,
-            f"results_dir={results_dir}",
-            "sweep.name=t",
-            *overrides,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-        **kwargs,
-    )
+def sweep(results_dir, *overrides) -> subprocess.CompletedProcess:
+    return harness_cli("sweep", *SMALL, f"results_dir={results_dir}", "sweep.name=t", *overrides)
 
 
 def test_invalid_point_is_a_row_and_the_sweep_goes_on(tmp_path):
@@ -73,13 +59,7 @@ def test_interrupted_sweep_resumes_with_every_point_exactly_once(tmp_path):
     proc.wait()
     first = {p.stem: p.stat().st_mtime_ns for p in result_files(tmp_path)}
     assert 1 <= len(first) < 4
-    status = subprocess.run(
-        [sys.executable, "-m", "harness", "results", "status", f"results_dir={tmp_path}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
+    status = harness_cli("results", "status", f"results_dir={tmp_path}")
     assert f"sweep t: 4 points, {len(first)} with a row, {4 - len(first)} left" in status.stdout
     r = sweep(tmp_path, *overrides)
     assert r.returncode == 0, r.stderr[-2000:]
