@@ -332,6 +332,14 @@ def raw_id(spec: RunSpec) -> str:
     return "x" + hashlib.sha256(text.encode()).hexdigest()[:15]
 
 
+def spec_id(spec: RunSpec) -> str:
+    """:func:`config_id` of a valid spec, :func:`raw_id` of an invalid one: the id its row is filed under."""
+    try:
+        return config_id(spec)
+    except InvalidSpec:
+        return raw_id(spec)
+
+
 def from_dict(data: dict[str, Any]) -> RunSpec:
     """Build a RunSpec from plain nested dicts (the CLI's composed config); unknown keys are an error."""
     built = {}

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.record import invalid_record
-from harness.specs import InvalidSpec, canonical, config_id, from_dict, raw_id
+from harness.specs import InvalidSpec, canonical, from_dict, spec_id
 from harness.store import existing_ids, record_path, write_record
 
 
@@ -24,11 +24,7 @@ def spec_of(cfg: dict[str, Any]):
 
 
 def point_id(cfg: dict[str, Any]) -> str:
-    spec = spec_of(cfg)
-    try:
-        return config_id(spec)
-    except InvalidSpec:
-        return raw_id(spec)
+    return spec_id(spec_of(cfg))
 
 
 def triage(points: list, configs: list[dict[str, Any]]) -> tuple[list[tuple[Any, dict]], str]:
@@ -45,7 +41,7 @@ def triage(points: list, configs: list[dict[str, Any]]) -> tuple[list[tuple[Any,
             spec = spec_of(cfg)
         except InvalidSpec as exc:  # an unknown key is the study file's mistake: stop, say which
             raise SystemExit(f"harness sweep: error: {exc}") from None
-        cid = point_id(cfg)
+        cid = spec_id(spec)  # the spec is already built: no second from_dict
         if cid in done:
             counts["already done"] += 1
             continue
