@@ -172,6 +172,10 @@ def layout_problems(spec: RunSpec) -> list[str]:
     )
     out += _positive("parallel", p, ("tp", "pp", "cp", "virtual_stages"))
     out += _positive("train", t, ("seq_len", "micro_batch_size", "steps"))
+    if isinstance(t.steps, int) and t.steps == 1:
+        out.append(
+            "train.steps=1 must be >= 2 (a warm-up step: AdamW state appears at the first; then timed steps)"
+        )
     if t.num_microbatches is not None and t.num_microbatches < 1:
         out.append(f"train.num_microbatches={t.num_microbatches} must be >= 1 (or null: one per stage)")
     if p.dp is not None and p.dp < 1:
@@ -361,3 +365,31 @@ def from_dict(data: dict[str, Any]) -> RunSpec:
             raise InvalidSpec([f"missing key {section}.{k}" for k in missing])
         built[section] = cls(**given)
     return RunSpec(**built)
+
+
+def from_flat(row: dict[str, Any]) -> RunSpec:
+    """The inverse of :func:`flat`: a RunSpec from a record's columns (``parallel_tp``, …). A column a
+    table stores as float because some rows are null (NaN) comes back as the field's int or None."""
+    data: dict[str, dict[str, Any]] = {}
+    for section, cls in (
+        ("model", ModelSpec),
+        ("parallel", ParallelSpec),
+        ("train", TrainSpec),
+        ("device", DeviceSpec),
+    ):
+        given = {}
+        for f in fields(cls):
+            key = f"{section}_{f.name}"
+            if key not in row:
+                continue
+            value = row[key]
+            if hasattr(value, "item"):  # numpy scalar
+                value = value.item()
+            types = (f.type if isinstance(f.type, str) else f.type.__name__).replace(" ", "").split("|")
+            if isinstance(value, float) and value != value:  # NaN: a null in a float column
+                value = None
+            elif isinstance(value, float) and "int" in types and value.is_integer():
+                value = int(value)
+            given[f.name] = value
+        data[section] = given
+    return from_dict(data)

@@ -58,8 +58,16 @@ def result_files(results_dir: str | Path) -> list[Path]:
 
 
 def existing_ids(results_dir: str | Path) -> set[str]:
-    """config_ids that already have a result (from the file names: no file is opened)."""
-    return {p.stem for p in result_files(results_dir)}
+    """config_ids that already have a result: per-run files by name (none is opened), and the
+    ``config_id`` column of compacted datasets (a committed study resumes from its dataset alone)."""
+    ids = {p.stem for p in result_files(results_dir)}
+    root = Path(results_dir)
+    for path in sorted(root.glob("dataset*.parquet")) if root.is_dir() else []:
+        try:
+            ids.update(pq.read_table(path, columns=["config_id"]).column("config_id").to_pylist())
+        except Exception as exc:  # unreadable: its runs are not known to be done, so they run again
+            print(f"harness: warning: cannot read config_id of {path} ({exc}); its points run again")
+    return ids
 
 
 def load_results(results_dir: str | Path, *, include_datasets: bool = True) -> tuple[pd.DataFrame, list[str]]:

@@ -34,6 +34,7 @@ def triage(points: list, configs: list[dict[str, Any]]) -> tuple[list[tuple[Any,
 
     launch, counts = [], Counter()
     done_by_dir: dict[str, set[str]] = {}
+    seen: set[tuple[str, str]] = set()  # (results_dir, id) of the points of this grid
     for point, cfg in zip(points, configs, strict=True):
         results_dir = cfg["results_dir"]
         done = done_by_dir.setdefault(results_dir, existing_ids(results_dir))
@@ -42,6 +43,10 @@ def triage(points: list, configs: list[dict[str, Any]]) -> tuple[list[tuple[Any,
         except InvalidSpec as exc:  # an unknown key is the study file's mistake: stop, say which
             raise SystemExit(f"harness sweep: error: {exc}") from None
         cid = spec_id(spec)  # the spec is already built: no second from_dict
+        if (results_dir, cid) in seen:  # two grids (or two spellings) of the same point: it runs once
+            counts["duplicates"] += 1
+            continue
+        seen.add((results_dir, cid))
         if cid in done:
             counts["already done"] += 1
             continue
@@ -49,7 +54,6 @@ def triage(points: list, configs: list[dict[str, Any]]) -> tuple[list[tuple[Any,
             spec = canonical(spec)
         except InvalidSpec as exc:
             write_record(_tag(invalid_record(spec, str(exc)), cfg), results_dir)
-            done.add(cid)
             counts["invalid (row written)"] += 1
             continue
         sweep = cfg.get("sweep", {})
@@ -62,15 +66,14 @@ def triage(points: list, configs: list[dict[str, Any]]) -> tuple[list[tuple[Any,
                 )
                 row["status"] = "skipped_predicted_oom"
                 write_record(_tag(row, cfg), results_dir)
-                done.add(cid)
                 counts["skipped, predicted out of memory (row written)"] += 1
                 continue
-        done.add(cid)  # a duplicate point of the grid launches once
         launch.append((point, cfg))
         counts["to launch"] += 1
     order = (
         "to launch",
         "already done",
+        "duplicates",
         "invalid (row written)",
         "skipped, predicted out of memory (row written)",
     )

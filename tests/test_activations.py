@@ -117,3 +117,21 @@ def test_logits_and_loss_sit_on_the_last_stage_only():
     m, p, t = s.model, s.parallel, s.train
     assert act.logits(m, p, t, stage=0) == 0 and buf.loss(m, p, t, stage=0) == 0
     assert act.logits(m, p, t, stage=1) == 4_194_304
+
+
+def test_torch_pipeline_last_stage_keeps_the_gathered_output_in_its_forward_cache():
+    """torch engine under pipelining: the head's output is gathered over tp (no loss_parallel) and kept
+    by the schedule's forward cache besides the loss's own FP32 copy and gradient (the runner's
+    measured last stage was b·s·v·4 B above the unpipelined model's accounting before this term)."""
+    s = replace(spec("tiny", **BASE), parallel_pp=2, parallel_tp=2, train_num_microbatches=2)
+    m, p, t = s.model, s.parallel, s.train
+    sbv = 256 * 2 * 4096  # 2,097,152 elements, BF16 logits, FP32 loss
+    # 1F1B: one micro-batch in flight at the last stage, plus the cached output; full vocabulary.
+    assert act.logits(m, p, t, stage=1, engine="torch") == 2 * sbv * 2
+    assert buf.loss(m, p, t, stage=1, engine="torch") == 2 * sbv * 4
+    # megatron keeps the vocabulary-parallel accounting: / t, one output.
+    assert act.logits(m, p, t, stage=1, engine="megatron") == sbv * 2 // 2
+    # GPipe: all m = 2 outputs (and their losses' softmax) in flight, plus one.
+    g = replace(s, parallel_pp_schedule="gpipe")
+    assert act.logits(m, g.parallel, g.train, stage=1, engine="torch") == 3 * sbv * 2
+    assert buf.loss(m, g.parallel, g.train, stage=1, engine="torch") == 3 * sbv * 4

@@ -17,6 +17,7 @@ from harness.specs import (
     config_id,
     flat,
     from_dict,
+    from_flat,
     problems,
 )
 
@@ -157,3 +158,20 @@ def test_from_dict_rejects_unknown_and_missing_keys():
         from_dict(
             {"model": {"name": "x"}, "parallel": {}, "train": {}, "device": {"name": "cpu", "memory_gib": 1}}
         )
+
+
+def test_from_flat_inverts_flat_also_through_a_parquet_table(tmp_path):
+    """A record's spec columns give back the spec; a float column with nulls (how parquet/pandas store
+    an int column that some rows leave null) comes back as int or None."""
+    import pandas as pd
+
+    a = spec("tiny", parallel_dp=2, parallel_tp=2, train_micro_batch_size=4)
+    b = dataclasses.replace(a, device=dataclasses.replace(a.device, peak_tflops=None))
+    assert from_flat(flat(a)) == a
+    pd.DataFrame([flat(a), flat(b)]).to_parquet(tmp_path / "t.parquet")
+    rows = pd.read_parquet(tmp_path / "t.parquet").to_dict("records")
+    assert [from_flat(r) for r in rows] == [a, b]
+
+
+def test_one_step_is_refused():
+    assert any("train.steps=1 must be >= 2" in p for p in problems(raw(train_steps=1)))

@@ -45,6 +45,10 @@ def test_compact_merges_and_keeps_each_run_once(tmp_path):
     assert len(result_files(tmp_path)) == 5  # per-run files stay (resume reads their names)
     frame, _ = load_results(tmp_path)
     assert len(frame) == 5
+    # a committed study keeps only its dataset: its runs still count as done (resume runs none again)
+    for f in result_files(tmp_path):
+        f.unlink()
+    assert existing_ids(tmp_path) == {f"id{i:04d}" for i in range(5)}
 
 
 def _writer(directory, start, count):

@@ -68,3 +68,25 @@ def test_interrupted_sweep_resumes_with_every_point_exactly_once(tmp_path):
     assert set(frame["status"]) == {"ok"}
     # The points finished before the interruption were not run again.
     assert {p.stem: p.stat().st_mtime_ns for p in result_files(tmp_path) if p.stem in first} == first
+
+
+def test_grids_sweep_the_union_and_a_shared_point_runs_once(tmp_path):
+    """hydra.sweeper.grids (how cpu_study lists its sub-grids): tp=2 is in both grids, tp=3 impossible."""
+    r = harness_cli(
+        "sweep",
+        "+study=cpu_smoke",
+        "train.seq_len=32",
+        "parallel.zero_stage=0",
+        f"results_dir={tmp_path}",
+        "sweep.name=t",
+        "hydra.sweeper.params={parallel.dp:1}",
+        'hydra.sweeper.grids=[{parallel.tp:"1,2"},{parallel.tp:"2,3"}]',
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "4 points: 2 to launch, 1 duplicates, 1 invalid (row written)" in r.stdout
+    frame, _ = load_results(tmp_path)
+    assert sorted(zip(frame["parallel_tp"], frame["status"], strict=True)) == [
+        (1, "ok"),
+        (2, "ok"),
+        (3, "invalid"),
+    ]

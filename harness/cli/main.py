@@ -24,6 +24,10 @@ commands:
   sweep      a Hydra multirun (e.g. +study=cpu_smoke): every point one run, one parquet row in
              results_dir; impossible and finished points are not launched, so a rerun resumes
   results    status | compact [results_dir=DIR]: counts by status, or merge the runs into one file
+  calibrate  fit coefficients on the estimator's terms to the runs in results_dir, cross-validated on
+             held-out layouts; writes a profile that estimate/plan take as calibration=PATH
+  report     results_dir=DIR: markdown report with figures (memory accuracy of every estimator, safe
+             utilisation threshold, out-of-memory map, TFLOP/s by layout), every number from the runs
 
 overrides are Hydra's: group=preset (model=llama3_8b device=h100_94gb engine=paper) and dotted keys
 (parallel.tp=2 train.seq_len=8192 format=json). See sweeps/config.yaml for every key.
@@ -51,11 +55,31 @@ def _estimate(overrides: Sequence[str]) -> int:
     cfg = compose(overrides)
     fmt, threshold = _output_settings(cfg)
     est = estimate(run_spec(cfg), engine=engine_name(cfg))
+    profile = _profile(cfg)
+    calibrated = profile.total_bytes(est) if profile else None
     if fmt == "json":
-        print(json.dumps(est.as_record(threshold=threshold), indent=2))
+        record = est.as_record(threshold=threshold)
+        if profile:
+            util = calibrated / est.capacity_bytes
+            record.update(
+                calibration=profile.path,
+                calibrated_total_bytes=calibrated,
+                calibrated_utilisation=util,
+                fits=util <= threshold,
+            )
+        print(json.dumps(record, indent=2))
     else:
-        print(estimate_table(est, threshold=threshold))
+        print(estimate_table(est, threshold=threshold, calibrated_bytes=calibrated, profile=profile))
     return 0
+
+
+def _profile(cfg: dict):
+    """The calibration profile named by ``calibration=`` (None when unset)."""
+    if not cfg.get("calibration"):
+        return None
+    from harness.calibrate import load_profile
+
+    return load_profile(cfg["calibration"])
 
 
 def _plan(overrides: Sequence[str]) -> int:
@@ -76,6 +100,7 @@ def _plan(overrides: Sequence[str]) -> int:
         max_tp=int(p["max_tp"]),
         threshold=threshold,
         engine=engine_name(cfg),
+        calibration=_profile(cfg),
     )
     result = plan(run_spec(cfg), opts)
     if fmt == "json":
@@ -135,12 +160,67 @@ def _results(args: Sequence[str]) -> int:
     return 0
 
 
+def _calibrate(overrides: Sequence[str]) -> int:
+    from harness.calibrate import evaluate, profile_of, save_profile
+    from harness.cli.render import calibration_table
+    from harness.store import load_results
+
+    cfg = compose(overrides)
+    fmt, _ = _output_settings(cfg)
+    root = str(cfg["results_dir"])
+    frame, bad = _load(root, load_results)
+    ev = evaluate(frame, engine=engine_name(cfg), group_by=str(cfg["calibrate"]["group_by"]))
+    path = save_profile(
+        profile_of(ev, results_dir=root), cfg["calibrate"]["profile"] or f"{root}/calibration.json"
+    )
+    if fmt == "json":
+        print(json.dumps({"estimators": ev.metrics, "profile": str(path)}, indent=2))
+    else:
+        print(calibration_table(ev, profile_path=str(path)))
+    for line in bad:
+        print(f"unreadable: {line}", file=sys.stderr)
+    return 0
+
+
+def _report(overrides: Sequence[str]) -> int:
+    from harness.report import write_report
+    from harness.store import load_results
+
+    cfg = compose(overrides)
+    root = str(cfg["results_dir"])
+    frame, bad = _load(root, load_results)
+    path = write_report(
+        frame,
+        out_dir=cfg["report"]["out"] or root,
+        results_dir=root,
+        engine=engine_name(cfg),
+        group_by=str(cfg["calibrate"]["group_by"]),
+    )
+    print(f"report: {path}")
+    for line in bad:
+        print(f"unreadable: {line}", file=sys.stderr)
+    return 0
+
+
+def _load(root: str, load_results):
+    from pathlib import Path
+
+    if not Path(root).is_dir():
+        raise ValueError(f"results_dir={root} is not a directory")
+    frame, bad = load_results(root)
+    if frame.empty:
+        raise ValueError(f"results_dir={root} holds no runs")
+    return frame, bad
+
+
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "estimate": _estimate,
     "plan": _plan,
     "run": _run,
     "sweep": _sweep,
     "results": _results,
+    "calibrate": _calibrate,
+    "report": _report,
 }
 
 
@@ -166,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # `harness plan ... | head`: the reader left; say nothing more.
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keeps Python's exit flush quiet
         return 0
-    except (ConfigError, InvalidSpec, ValueError) as exc:
+    except (ConfigError, InvalidSpec, ValueError) as exc:  # CalibrationError is a ValueError
         # Bad input is one line that says what is wrong, never a traceback.
         print(f"harness {command}: error: {exc}", file=sys.stderr)
         return 2

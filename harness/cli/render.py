@@ -47,7 +47,9 @@ def _stage_columns(est: Estimate) -> list[int]:
     return sorted({0, 1, worst, n - 1})
 
 
-def estimate_table(est: Estimate, *, threshold: float) -> str:
+def estimate_table(
+    est: Estimate, *, threshold: float, calibrated_bytes: int | None = None, profile=None
+) -> str:
     spec = est.spec
     cols = _stage_columns(est)
     head = [f"stage {est.stages[i].stage}" for i in cols]
@@ -74,7 +76,18 @@ def estimate_table(est: Estimate, *, threshold: float) -> str:
         "",
         "peak = params + grads + optimizer + max(activations and buffers, optimizer step)",
         f"most-loaded rank: stage {est.worst.stage}, {gib(est.total_bytes)} GiB of "
-        f"{gib(est.capacity_bytes)} GiB = {util:.1%} → {verdict} (threshold {threshold:.0%})",
+        f"{gib(est.capacity_bytes)} GiB = {util:.1%}"
+        + ("" if calibrated_bytes is not None else f" → {verdict} (threshold {threshold:.0%})"),
+    ]
+    if calibrated_bytes is not None:
+        cal_util = calibrated_bytes / est.capacity_bytes
+        cal_verdict = "fits" if cal_util <= threshold else "does NOT fit"
+        lines += [
+            f"calibrated ({profile.path}): {gib(calibrated_bytes)} GiB = {cal_util:.1%} → {cal_verdict} "
+            f"(threshold {threshold:.0%})",
+            f"  profile: {profile.summary}",
+        ]
+    lines += [
         f"model FLOPs per step: {est.flops_per_step:.3e} ({est.flops_convention} convention)",
     ]
     lines += [f"note: {n}" for n in est.notes]
@@ -98,8 +111,9 @@ def _row_fields(row: PlanRow) -> dict[str, Any]:
         "train_num_microbatches": t.num_microbatches,
         "train_recompute": t.recompute,
         "total_bytes": row.estimate.total_bytes,
+        "calibrated_bytes": row.calibrated_bytes,
         "worst_stage": row.estimate.worst.stage,
-        "utilisation": row.estimate.utilisation,
+        "utilisation": row.utilisation,
         "fits": row.fits,
         "bubble": c.bubble,
         "comm_bytes": round(c.comm_bytes),
@@ -133,13 +147,14 @@ def plan_table(result: PlanResult, opts: PlanOptions, *, top: int) -> str:
     lines.append(
         f"{result.considered} layouts considered, {result.invalid} impossible, {len(result.rows)} valid, "
         f"{len(result.fitting)} fit under {opts.threshold:.0%} of device memory"
+        + (f" (calibrated: {opts.calibration.path})" if opts.calibration is not None else "")
     )
     if not result.fitting:
         if result.rows:
-            best = min(result.rows, key=lambda r: r.estimate.total_bytes)
+            best = min(result.rows, key=lambda r: r.predicted_bytes)
             lines.append(
-                f"nothing fits; the smallest needs {gib(best.estimate.total_bytes)} GiB "
-                f"({best.estimate.utilisation:.0%}): {layout_line(best.estimate.spec)}"
+                f"nothing fits; the smallest needs {gib(best.predicted_bytes)} GiB "
+                f"({best.utilisation:.0%}): {layout_line(best.estimate.spec)}"
             )
         return "\n".join(lines)
     has_time = not math.isnan(result.fitting[0].cost.step_time_s)
@@ -167,7 +182,7 @@ def plan_table(result: PlanResult, opts: PlanOptions, *, top: int) -> str:
         line = (
             f"{i:>3} {p.dp:>5} {p.tp:>3} {p.pp:>3} {p.cp:>4} {p.zero_stage:>4} {sched:>10} "
             f"{t.micro_batch_size:>4} {t.num_microbatches:>5} {t.recompute:>9} "
-            f"{gib(row.estimate.total_bytes):>8} {row.estimate.utilisation:>6.1%} {c.bubble:>7.1%} "
+            f"{gib(row.predicted_bytes):>8} {row.utilisation:>6.1%} {c.bubble:>7.1%} "
             f"{c.comm_bytes / GIB:>9.2f}"
         )
         if has_time:
@@ -234,4 +249,30 @@ def record_table(record: dict[str, Any]) -> str:
         f"wall {r.get('wall_s', 0):.1f} s; torch {r.get('env_torch_version')}; "
         f"git {r.get('env_git_revision')}"
     )
+    return "\n".join(lines)
+
+
+def calibration_table(ev, *, profile_path: str) -> str:
+    """``harness calibrate``'s table: every estimator's held-out accuracy, then the fitted profile."""
+    n = ev.data.measured.sum()
+    lines = [
+        f"{len(ev.data.frame)} runs (ok or oom), {n} with a measured peak; engine {ev.engine}; "
+        f"calibrated errors are held out by {ev.group_by} ({len(ev.fold_coefs)} folds)",
+        "",
+        f"{'estimator':<11} {'median APE':>10} {'p95 APE':>8} {'worst under':>11} {'safe thr.':>9} "
+        f"{'excl.':>6} {'OOM<80%':>8} {'excl.>80%':>10}",
+    ]
+    for name, m in ev.metrics.items():
+        safe = "none" if m["safe_threshold"] is None else f"{m['safe_threshold']:.1%}"
+        lines.append(
+            f"{name:<11} {m['median_ape']:>10.1%} {m['p95_ape']:>8.1%} {m['max_under_prediction']:>11.1%} "
+            f"{safe:>9} {m['excluded_at_safe']:>6} {m['oom_below_paper_threshold']:>8} "
+            f"{m['excluded_at_paper_threshold']:>10}"
+        )
+    lines += [
+        "",
+        "APE: |predicted - measured| / measured; safe thr.: largest estimated utilisation below which no run",
+        "ran out of memory (none: no run did); excl.: runs that fit but sit above it.",
+        f"profile ({profile_path}): {ev.model.describe()}",
+    ]
     return "\n".join(lines)

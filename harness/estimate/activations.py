@@ -150,9 +150,25 @@ def output_activations(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: in
     return elem_bytes(t.precision) * (norm_in + head_in) * _last_stage_inflight(p, t)
 
 
-def logits(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int) -> int:
-    """The head's output in the compute dtype, vocabulary-sharded by t, kept until the loss's backward."""
+def vocab_shards(p: ParallelSpec, *, engine: str) -> int:
+    """How many ways the logits are split: t·c, except in the torch runner under pipelining, whose
+    stages exchange plain tensors, so the head's output is gathered over t (no loss_parallel)."""
+    return p.cp if (engine == "torch" and p.pp > 1) else p.tp * p.cp
+
+
+def held_outputs(p: ParallelSpec, t: TrainSpec, *, engine: str) -> int:
+    """Micro-batches' head outputs alive at the last stage's peak. Without a pipeline the output is
+    consumed by the loss and only its gradient remains (1 per in-flight micro-batch). torch's
+    pipelining also keeps each stage output in the schedule's forward cache until that micro-batch's
+    backward, so one more (measured on the runner: +b·s·v·4 bytes on the last stage at FP32)."""
+    extra = 1 if (engine == "torch" and p.pp > 1) else 0
+    return _last_stage_inflight(p, t) + extra
+
+
+def logits(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: str = "megatron") -> int:
+    """The head's output in the compute dtype (or its gradient), vocabulary-sharded, kept until the
+    loss's backward: b·s·v/(t·c) × elem × :func:`held_outputs`."""
     if stage != p.pp - 1:
         return 0
     sbv = t.seq_len * t.micro_batch_size * m.vocab_size
-    return elem_bytes(t.precision) * sbv // (p.tp * p.cp) * _last_stage_inflight(p, t)
+    return elem_bytes(t.precision) * sbv // vocab_shards(p, engine=engine) * held_outputs(p, t, engine=engine)

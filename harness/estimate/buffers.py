@@ -6,6 +6,7 @@ a fit reads "coefficient × named term". Sizes are per rank; see each docstring 
 
 from __future__ import annotations
 
+from harness.estimate import activations as act
 from harness.estimate.activations import elem_bytes
 from harness.estimate.params import layer_params, non_layer_params
 from harness.specs import ModelSpec, ParallelSpec, TrainSpec
@@ -95,9 +96,14 @@ def cp_kv_allgather(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
     return elem_bytes(t.precision) * 2 * t.seq_len * t.micro_batch_size * kv_width // p.tp
 
 
-def loss(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int) -> int:
+def loss(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: str = "megatron") -> int:
     """The cross-entropy's FP32 logits (upcast or softmax) and their FP32 gradient on the last stage:
-    2 × 4·s·b·v/(t·c) — often the single largest temporary."""
+    2 × 4·s·b·v/(t·c) — often the single largest temporary. torch under pipelining: the schedule
+    computes each micro-batch's loss in its forward, so every in-flight micro-batch keeps its FP32
+    softmax (GPipe: all m) plus one gradient, over the gathered vocabulary."""
     if stage != p.pp - 1:
         return 0
-    return 2 * 4 * t.seq_len * t.micro_batch_size * m.vocab_size // (p.tp * p.cp)
+    sbv4 = 4 * t.seq_len * t.micro_batch_size * m.vocab_size
+    if engine == "torch" and p.pp > 1:
+        return sbv4 * act.held_outputs(p, t, engine=engine) // act.vocab_shards(p, engine=engine)
+    return 2 * sbv4 // (p.tp * p.cp)

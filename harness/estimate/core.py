@@ -178,11 +178,11 @@ def _activation_terms(
         ("activations", act.stage_layer_activations(m, p, t, stage=stage, engine=engine)),
         ("token_ids", act.token_ids(p, t, stage=stage, engine=engine)),
         ("output_activations", act.output_activations(m, p, t, stage=stage, engine=engine)),
-        ("logits", act.logits(m, p, t, stage=stage)),
+        ("logits", act.logits(m, p, t, stage=stage, engine=engine)),
         ("tp_allgather", buf.tp_allgather(m, p, t)),
         ("pp_p2p", buf.pp_p2p(m, p, t, stage=stage, engine=engine)),
         ("cp_kv_allgather", buf.cp_kv_allgather(m, p, t)),
-        ("loss", buf.loss(m, p, t, stage=stage)),
+        ("loss", buf.loss(m, p, t, stage=stage, engine=engine)),
     )
     return items, sum(v for _, v in items)
 

@@ -11,6 +11,7 @@ import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from harness.estimate.comm import Cost, cost
 from harness.estimate.core import ENGINES, Estimate, dominant_stages, estimate_canonical
@@ -39,6 +40,9 @@ class PlanOptions:
     max_tp: int = 8
     threshold: float = 0.8
     engine: str = "torch"
+    # A calibration profile (harness.calibrate.Profile, or any object with total_bytes(Estimate) -> int):
+    # when set, whether a layout fits is judged on its calibrated peak.
+    calibration: Any = None
 
     def __post_init__(self) -> None:
         bad = []
@@ -70,6 +74,16 @@ class PlanRow:
     estimate: Estimate
     cost: Cost | None  # computed for fitting layouts only: the others are not ranked by speed
     fits: bool
+    calibrated_bytes: int | None = None  # the calibration profile's peak, when plan uses one
+
+    @property
+    def predicted_bytes(self) -> int:
+        """The peak the verdict is based on: calibrated when a profile is used, else the estimate."""
+        return self.estimate.total_bytes if self.calibrated_bytes is None else self.calibrated_bytes
+
+    @property
+    def utilisation(self) -> float:
+        return self.predicted_bytes / self.estimate.capacity_bytes
 
     def sort_key(self) -> tuple:
         """Fitting layouts first, by step-time proxy (or, where the device has no peak and link
@@ -77,9 +91,9 @@ class PlanRow:
         the others by memory."""
         c = self.cost
         if c is None:
-            return (True, math.inf, math.inf, math.inf, self.estimate.total_bytes)
+            return (True, math.inf, math.inf, math.inf, self.predicted_bytes)
         time_key = c.step_time_s if not math.isnan(c.step_time_s) else math.inf
-        return (False, time_key, c.compute_factor, c.comm_bytes, self.estimate.total_bytes)
+        return (False, time_key, c.compute_factor, c.comm_bytes, self.predicted_bytes)
 
 
 @dataclass(frozen=True)
@@ -169,7 +183,12 @@ def plan(base: RunSpec, opts: PlanOptions) -> PlanResult:
         stages = dominant_stages(group[0].parallel.pp)
         for spec in group:
             est = estimate_canonical(spec, engine=opts.engine, stages=stages)
-            fits = est.utilisation <= opts.threshold
-            rows.append(PlanRow(est, cost(spec) if fits else None, fits))
+            if opts.calibration is None:
+                fits = est.utilisation <= opts.threshold
+                rows.append(PlanRow(est, cost(spec) if fits else None, fits))
+            else:
+                calibrated = opts.calibration.total_bytes(est)
+                fits = calibrated / est.capacity_bytes <= opts.threshold
+                rows.append(PlanRow(est, cost(spec) if fits else None, fits, calibrated))
     rows.sort(key=PlanRow.sort_key)
     return PlanResult(tuple(rows), considered, invalid)

@@ -104,11 +104,6 @@ class PeakMemory:
             "categories": categories,
         }
 
-    def step_boundary(self) -> None:
-        """Between measured steps: MemTracker's per-module state must be reset every iteration."""
-        if self.tracker is not None:
-            self.tracker.reset_mod_stats()
-
     def result(self) -> dict[str, Any]:
         return dict(self._result)
 

@@ -8,6 +8,10 @@ allocation that starts Python only to exit). This one composes each point's conf
   estimate exceeds ``sweep.prune_factor`` × the device's capacity, without launching it.
 The rest are launched in batches as the basic sweeper does. It also records the planned points so that
 each job can print the sweep's progress.
+
+A study that is not one cartesian product lists several under ``hydra.sweeper.grids``: each grid's
+keys are combined with ``params`` (a grid's value wins over params for the same key, the command line
+wins over both), the union of the grids' points is swept, and a point in two grids runs once.
 """
 
 import logging
@@ -26,15 +30,23 @@ class HarnessSweeperConf:
     _target_: str = "hydra_plugins.harness_sweeper.harness_sweeper.HarnessSweeper"
     max_batch_size: Any = None
     params: Any = None
+    grids: Any = None
 
 
 ConfigStore.instance().store(group="hydra/sweeper", name="harness", node=HarnessSweeperConf)
 
 
 class HarnessSweeper(BasicSweeper):
-    def __init__(self, max_batch_size: Any = None, params: Any = None) -> None:  # no __future__: Hydra
-        # loads plugins outside sys.modules, where dataclasses cannot resolve string annotations
+    def __init__(self, max_batch_size: Any = None, params: Any = None, grids: Any = None) -> None:
+        # (no __future__ import: Hydra loads plugins outside sys.modules, where dataclasses cannot
+        # resolve string annotations)
         super().__init__(max_batch_size=max_batch_size, params=params)
+        self.grids = grids
+        self.arguments: list[str] = []
+
+    def sweep(self, arguments):
+        self.arguments = list(arguments)
+        return super().sweep(arguments)
 
     def setup(self, *, hydra_context, task_function, config) -> None:
         super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
@@ -47,7 +59,9 @@ class HarnessSweeper(BasicSweeper):
     def split_arguments(self, overrides, max_batch_size):  # type: ignore[override]
         from harness.sweep import point_id, start_progress, triage
 
-        points = [p for batch in BasicSweeper.split_arguments(overrides, None) for p in batch]
+        points = [
+            p for o in self._grid_overrides(overrides) for p in BasicSweeper.split_arguments(o, None)[0]
+        ]
         configs = []
         for point in points:
             cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(point))
@@ -67,6 +81,20 @@ class HarnessSweeper(BasicSweeper):
             )
         size = max_batch_size or len(keep) or 1
         return [keep[i : i + size] for i in range(0, len(keep), size)]
+
+    def _grid_overrides(self, overrides):
+        """The parsed overrides of each grid (the basic sweeper's one product when there are no grids)."""
+        if not self.grids:
+            return [overrides]
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+        out = []
+        for grid in self.grids:
+            merged = {**dict(self.params or {}), **dict(grid)}
+            strings = [f"{k}={v}" for k, v in merged.items()] + self.arguments
+            out.append(parser.parse_overrides(strings))
+        return out
 
 
 def _report_lost_jobs(launch):

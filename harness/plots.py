@@ -1,0 +1,209 @@
+"""Figures from a results frame and its calibration evaluation (matplotlib, no torch).
+
+Each function draws one figure and saves it as PNG and SVG (deterministic files: no dates, fixed SVG
+ids) and returns the paths. Memory in MiB (2^20 bytes), utilisation as a fraction of the device's
+capacity, throughput in the unit the data needs (TFLOP/s on GPUs, GFLOP/s on this CPU).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, never a window (and no display on a cluster node)
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+from harness.calibrate import ESTIMATORS, MIB, PAPER_THRESHOLD, Evaluation
+
+plt.rcParams.update({"svg.hashsalt": "harness", "figure.dpi": 100, "font.size": 9})
+LABELS = {
+    "paper": "paper (Fujii et al. closed form)",
+    "megatron": "megatron (corrected closed form)",
+    "torch": "torch (raw, term by term)",
+    "calibrated": "calibrated (held-out folds)",
+}
+STATUS_STYLE = {"ok": ("tab:blue", "o", "ok"), "oom": ("tab:red", "x", "out of memory")}
+
+
+def _save(fig, out_dir: Path, name: str) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / f"{name}.png", out_dir / f"{name}.svg"]
+    fig.savefig(paths[0], dpi=110, bbox_inches="tight", metadata={"Software": None})
+    fig.savefig(paths[1], bbox_inches="tight", metadata={"Date": None, "Creator": None})
+    plt.close(fig)
+    return paths
+
+
+def predicted_vs_measured(ev: Evaluation, out_dir: Path) -> list[Path]:
+    """Predicted vs measured peak, log axes, identity and +/-10 % band, one panel per estimator."""
+    data = ev.data
+    m = data.measured
+    y = data.frame["peak_allocated_bytes"].to_numpy(dtype=float) / MIB
+    status = data.frame["status"].to_numpy()
+    fig, axes = plt.subplots(2, 2, figsize=(9, 8.5), sharex=True, sharey=True)
+    lo = min(y[m].min(), *(ev.predictions[n][m].min() / MIB for n in ESTIMATORS)) * 0.8
+    hi = max(y[m].max(), *(ev.predictions[n][m].max() / MIB for n in ESTIMATORS)) * 1.25
+    line = np.array([lo, hi])
+    for ax, name in zip(axes.flat, ESTIMATORS, strict=True):
+        pred = ev.predictions[name] / MIB
+        ax.fill_between(line, line * 0.9, line * 1.1, color="0.85", label="±10 %")
+        ax.plot(line, line, color="0.3", lw=1, label="predicted = measured")
+        for st, (color, marker, label) in STATUS_STYLE.items():
+            rows = m & (status == st)
+            if rows.any():
+                ax.scatter(
+                    y[rows], pred[rows], s=14, c=color, marker=marker, lw=1, label=f"{label} ({rows.sum()})"
+                )
+        met = ev.metrics[name]
+        ax.set_title(
+            f"{LABELS[name]}\nmedian APE {met['median_ape']:.1%}, p95 {met['p95_ape']:.1%}", fontsize=9
+        )
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlim(lo, hi)
+        ax.set_ylim(lo, hi)
+        ax.grid(True, which="major", alpha=0.3)
+    for ax in axes[1]:
+        ax.set_xlabel("measured peak allocated per rank (MiB)")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("predicted peak per rank (MiB)")
+    axes[0, 0].legend(loc="upper left", fontsize=8)
+    fig.suptitle(f"Predicted vs measured peak memory ({int(m.sum())} runs with a measured peak)")
+    return _save(fig, out_dir, "predicted_vs_measured")
+
+
+def utilisation_vs_outcome(ev: Evaluation, out_dir: Path) -> list[Path]:
+    """Each run's predicted utilisation and whether it ran out of memory, per estimator, with the
+    learned safe threshold and the paper's 80 % rule."""
+    data = ev.data
+    oom = data.oom
+    rng = np.random.default_rng(0)  # jitter only; fixed so the figure is reproducible
+    jitter = rng.uniform(-0.18, 0.18, size=len(oom))
+    fig, axes = plt.subplots(len(ESTIMATORS), 1, figsize=(9, 2.1 * len(ESTIMATORS)), sharex=True)
+    for ax, name in zip(axes, ESTIMATORS, strict=True):
+        util = ev.predictions[name] / data.capacity
+        for st, (color, marker, label) in STATUS_STYLE.items():
+            rows = oom if st == "oom" else ~oom
+            ax.scatter(util[rows], (1.0 if st == "oom" else 0.0) + jitter[rows], s=12, c=color, marker=marker,
+                       lw=1, label=f"{label} ({rows.sum()})")  # fmt: skip
+        safe = ev.metrics[name]["safe_threshold"]
+        ax.axvline(PAPER_THRESHOLD, color="tab:green", ls="--", lw=1.2, label="paper's 80 % rule")
+        if safe is not None:
+            ax.axvline(safe, color="k", lw=1.2, label=f"safe threshold {safe:.0%} (learned)")
+        ax.axvline(1.0, color="0.6", lw=0.8, ls=":")
+        ax.set_yticks([0, 1], ["ran", "out of\nmemory"])
+        ax.set_ylim(-0.5, 1.5)
+        ax.set_xscale("log")
+        ax.set_title(LABELS[name], fontsize=9, loc="left")
+        ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
+        ax.grid(True, axis="x", which="both", alpha=0.3)
+    axes[-1].set_xlabel("predicted peak / device capacity (utilisation, log scale)")
+    fig.suptitle("Out of memory against predicted utilisation")
+    return _save(fig, out_dir, "utilisation_vs_outcome")
+
+
+def throughput_unit(frame: pd.DataFrame) -> tuple[float, str]:
+    """(scale, unit) for TFLOP/s per device: GFLOP/s when every value is under 0.1 TFLOP/s (a CPU)."""
+    top = frame["tflops_per_device"].max()
+    return (1e3, "GFLOP/s") if top < 0.1 else (1.0, "TFLOP/s")
+
+
+def throughput_heatmap(frame: pd.DataFrame, out_dir: Path) -> list[Path]:
+    """The best throughput per device for each tp x pp, one panel per model and world size (best over
+    dp, cp, ZeRO, micro-batch and the rest: what a user who tuned everything else would get)."""
+    ok = frame[(frame["status"] == "ok") & frame["tflops_per_device"].notna()].copy()
+    ok["world"] = ok["parallel_dp"] * ok["parallel_tp"] * ok["parallel_pp"] * ok["parallel_cp"]
+    models = sorted(ok["model_name"].unique())
+    worlds = sorted(w for w in ok["world"].unique() if w > 1)
+    scale, unit = throughput_unit(ok)
+    tps, pps = sorted(ok["parallel_tp"].unique()), sorted(ok["parallel_pp"].unique())
+    fig, axes = plt.subplots(
+        len(models), len(worlds), figsize=(3.2 * len(worlds), 2.8 * len(models)), squeeze=False
+    )
+    vmax = ok["tflops_per_device"].max() * scale
+    for i, model in enumerate(models):
+        for j, world in enumerate(worlds):
+            ax = axes[i, j]
+            sub = ok[(ok["model_name"] == model) & (ok["world"] == world)]
+            grid = np.full((len(tps), len(pps)), np.nan)
+            for (tp, pp), val in (
+                sub.groupby(["parallel_tp", "parallel_pp"])["tflops_per_device"].max().items()
+            ):
+                grid[tps.index(tp), pps.index(pp)] = val * scale
+            im = ax.imshow(grid, cmap="viridis", vmin=0, vmax=vmax, origin="lower")
+            for (a, b), val in np.ndenumerate(grid):
+                if not np.isnan(val):
+                    ax.text(b, a, f"{val:.1f}", ha="center", va="center", fontsize=8,
+                            color="w" if val < vmax * 0.6 else "k")  # fmt: skip
+            ax.set_xticks(range(len(pps)), [str(p) for p in pps])
+            ax.set_yticks(range(len(tps)), [str(t) for t in tps])
+            ax.set_xlabel("pp")
+            ax.set_ylabel("tp")
+            ax.set_title(f"{model}, {int(world)} ranks", fontsize=9)
+    fig.colorbar(im, ax=axes, shrink=0.8, label=f"best model {unit} per rank")
+    fig.suptitle(f"Throughput per rank by tensor x pipeline degree (blank: no successful run); {unit}")
+    return _save(fig, out_dir, "throughput_tp_pp")
+
+
+def axes_used(frame: pd.DataFrame) -> pd.Series:
+    """Which parallel axes a run uses: 'single', 'dp', 'tp', 'dp+pp', ... (dp counted when > 1)."""
+    names = ("dp", "tp", "pp", "cp")
+    return frame.apply(lambda r: "+".join(n for n in names if r[f"parallel_{n}"] > 1) or "single", axis=1)
+
+
+def residuals_by_term(ev: Evaluation, out_dir: Path) -> list[Path]:
+    """Left: the fitted coefficient of each term (final fit; bars span the cross-validation folds).
+    Right: the held-out relative error of the raw torch engine and of the calibrated one, grouped by the
+    parallel axes a run uses."""
+    model, data = ev.model, ev.data
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5), gridspec_kw={"width_ratios": [1, 1.4]})
+    names = list(model.features)
+    y = np.arange(len(names))
+    lo, hi = ev.fold_coefs.min(axis=0), ev.fold_coefs.max(axis=0)
+    colors = ["0.6" if n in model.unfitted_ else "tab:blue" for n in names]
+    left.barh(y, model.coef_, color=colors)
+    spread = [model.coef_ - np.minimum(lo, model.coef_), np.maximum(hi, model.coef_) - model.coef_]
+    left.errorbar(model.coef_, y, xerr=spread, fmt="none", ecolor="k", lw=1, capsize=2)
+    left.axvline(1.0, color="tab:green", ls="--", lw=1, label="1 = the analytical term as is")
+    left.set_yticks(y, names)
+    left.invert_yaxis()
+    left.set_xscale("symlog", linthresh=1)
+    left.set_xlabel("coefficient (grey: no data, kept at 1)")
+    left.set_title(f"Fitted coefficient per term; constant {model.constant_bytes_ / MIB:.1f} MiB", fontsize=9)
+    left.legend(fontsize=8, loc="lower right")
+    m = data.measured
+    measured = data.frame["peak_allocated_bytes"].to_numpy(dtype=float)
+    groups = axes_used(data.frame)[m].to_numpy()
+    order = sorted(set(groups), key=lambda g: (g.count("+"), g))
+    pos = np.arange(len(order))
+    for k, (name, color) in enumerate((("torch", "tab:orange"), ("calibrated", "tab:blue"))):
+        err = (ev.predictions[name][m] - measured[m]) / measured[m] * 100
+        parts = right.boxplot([err[groups == g] for g in order], positions=pos + (k - 0.5) * 0.35, widths=0.3,
+                              patch_artist=True, showfliers=True, flierprops={"markersize": 3})  # fmt: skip
+        for box in parts["boxes"]:
+            box.set_facecolor(color)
+        right.plot([], [], color=color, lw=6, label=LABELS[name])
+    right.axhline(0, color="0.3", lw=1)
+    right.axhspan(-10, 10, color="0.9", zorder=0)
+    right.set_xticks(pos, [f"{g}\n({(groups == g).sum()})" for g in order], fontsize=8)
+    right.set_xlabel("parallel axes used (runs)")
+    right.set_ylabel("(predicted − measured) / measured (%)")
+    right.set_title("Held-out error by layout family (grey band ±10 %)", fontsize=9)
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    return _save(fig, out_dir, "residuals_by_term")
+
+
+def all_figures(ev: Evaluation, frame: pd.DataFrame, out_dir: str | Path) -> dict[str, list[Path]]:
+    out = Path(out_dir)
+    figures = {
+        "predicted_vs_measured": predicted_vs_measured(ev, out),
+        "utilisation_vs_outcome": utilisation_vs_outcome(ev, out),
+        "residuals_by_term": residuals_by_term(ev, out),
+    }
+    if (frame["status"] == "ok").any() and frame["tflops_per_device"].notna().any():
+        figures["throughput_tp_pp"] = throughput_heatmap(frame, out)
+    return figures
