@@ -122,7 +122,8 @@ def memory_section(ev: Evaluation) -> list[str]:
         "",
         "Safe threshold: the largest predicted utilisation below which no run ran out of memory — the "
         f'statistic behind the paper\'s rule ("below {PAPER_THRESHOLD:.0%}, no run ran out of memory"), '
-        "measured here for each estimator; 'fitting runs above it' are runs it would wrongly exclude. "
+        "measured here for each estimator ('none': no run ran out of memory); 'fitting runs above it' are "
+        "runs it would wrongly exclude. "
         "The last two columns apply the paper's 80 % rule as published.",
     ]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from conftest import spec
 
 from harness.record import STATUSES
 from harness.runner import worker
+from harness.runner.supervisor import Terminated
 from harness.runner.supervisor import run_point as _run_point
 
 FAST = dict(train_precision="fp32", train_seq_len=32, train_steps=2)
@@ -112,6 +114,19 @@ def test_rank_that_blocks_forever(monkeypatch, no_leftovers):
     assert elapsed < 20 + 15
     if r["status"] == "crash":
         assert (r["error_rank"] == 0 and "timed out" in r["error"].lower()) or "Timeout" in r["error"]
+
+
+def test_sigterm_reaps_every_rank_and_records_nothing(monkeypatch, no_leftovers):
+    """``kill`` of a sweep or a run mid-point: its ranks go with it (they outlived it before), no record
+    (the point has no outcome: a resumed sweep runs it again), and SIGTERM's default action is back."""
+    inject(monkeypatch, lambda: time.sleep(10_000))
+    timer = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    start = time.monotonic()
+    with pytest.raises(Terminated):
+        run_point(spec("tiny", parallel_dp=2, **FAST), timeout_s=120)
+    assert time.monotonic() - start < 30
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
 def test_impossible_layout_starts_nothing(no_leftovers):

@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,16 @@ from harness.specs import InvalidSpec, RunSpec, canonical
 
 POLL_S = 0.05
 GRACE_S = 10.0  # after one rank fails, how long the others get to fail on their own and report
+
+
+class Terminated(BaseException):
+    """SIGTERM reached the supervisor (``kill``, a job scheduler): the point's ranks are reaped, no
+    record is written (the point did not run to an outcome; a resumed sweep runs it again), and the
+    exception goes on up. A BaseException so that handlers of ordinary errors let it through."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated("SIGTERM")
 
 
 def free_port() -> int:
@@ -127,6 +138,13 @@ def run_point(
         start = time.monotonic()
         deadline, first_failure, timed_out = start + timeout_s, None, False
         killed_here: set[int] = set()
+        # With the default SIGTERM action this process would die at once and leave its ranks running
+        # (seen: a killed sweep's 8 ranks outlived it). A handler someone installed (under Slurm,
+        # harness.sweep.run_job's) is left in place: it raises too.
+        previous = None
+        main = threading.current_thread() is threading.main_thread()
+        if main and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            previous = signal.signal(signal.SIGTERM, _raise_terminated)
         try:
             for proc in procs:
                 proc.start()
@@ -153,6 +171,8 @@ def run_point(
                     os.kill(proc.pid, signal.SIGKILL)
                     killed_here.add(r)
                 proc.join(timeout=10)
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
         wall = time.monotonic() - start
         ranks = [_read(out_dir, r) for r in range(world)]
         codes = [proc.exitcode for proc in procs]
