@@ -27,9 +27,12 @@ def point_id(cfg: dict[str, Any]) -> str:
     return spec_id(spec_of(cfg))
 
 
-def triage(points: list, configs: list[dict[str, Any]]) -> tuple[list[tuple[Any, dict]], str]:
+def triage(
+    points: list, configs: list[dict[str, Any]], *, write: bool = True
+) -> tuple[list[tuple[Any, dict]], str]:
     """Decide each composed point: launch it, or write its row now (invalid, predicted out of memory), or
-    skip it (a result exists). Returns the points to launch and a one-line summary."""
+    skip it (a result exists). Returns the points to launch and a one-line summary. ``write=False``
+    (a dry run) decides the same and writes nothing."""
     from harness.estimate import estimate
 
     launch, counts = [], Counter()
@@ -53,7 +56,8 @@ def triage(points: list, configs: list[dict[str, Any]]) -> tuple[list[tuple[Any,
         try:
             spec = canonical(spec)
         except InvalidSpec as exc:
-            write_record(_tag(invalid_record(spec, str(exc)), cfg), results_dir)
+            if write:
+                write_record(_tag(invalid_record(spec, str(exc)), cfg), results_dir)
             counts["invalid (row written)"] += 1
             continue
         sweep = cfg.get("sweep", {})
@@ -65,7 +69,8 @@ def triage(points: list, configs: list[dict[str, Any]]) -> tuple[list[tuple[Any,
                     spec, f"estimate {est.utilisation:.2f}× capacity > prune_factor {factor}"
                 )
                 row["status"] = "skipped_predicted_oom"
-                write_record(_tag(row, cfg), results_dir)
+                if write:
+                    write_record(_tag(row, cfg), results_dir)
                 counts["skipped, predicted out of memory (row written)"] += 1
                 continue
         launch.append((point, cfg))
@@ -80,6 +85,8 @@ def triage(points: list, configs: list[dict[str, Any]]) -> tuple[list[tuple[Any,
     summary = f"harness sweep: {len(points)} points: " + ", ".join(
         f"{counts[k]} {k}" for k in order if counts[k]
     )
+    if not write:
+        summary = summary.replace("(row written)", "(row not written: dry run)")
     return launch, summary
 
 

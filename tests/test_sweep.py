@@ -90,3 +90,10 @@ def test_grids_sweep_the_union_and_a_shared_point_runs_once(tmp_path):
         (2, "ok"),
         (3, "invalid"),
     ]
+
+
+def test_dry_run_counts_and_writes_nothing(tmp_path):
+    r = sweep(tmp_path, "parallel.dp=1", "parallel.tp=1,3", "sweep.dry_run=true")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "2 points: 1 to launch, 1 invalid (row not written: dry run)" in r.stdout
+    assert "[1/1]" not in r.stdout and result_files(tmp_path) == []

@@ -5,7 +5,8 @@ allocation that starts Python only to exit). This one composes each point's conf
 - writes an impossible layout's row (``status=invalid`` with the reason) without launching it;
 - skips a point whose config_id already has a result in ``results_dir`` (resume);
 - with ``sweep.prune_predicted_oom=true``, writes ``status=skipped_predicted_oom`` for a point whose
-  estimate exceeds ``sweep.prune_factor`` × the device's capacity, without launching it.
+  estimate exceeds ``sweep.prune_factor`` × the device's capacity, without launching it;
+- with ``sweep.dry_run=true``, only prints what it would do.
 The rest are launched in batches as the basic sweeper does. It also records the planned points so that
 each job can print the sweep's progress.
 
@@ -69,8 +70,14 @@ class HarnessSweeper(BasicSweeper):
                 OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True
             )
             configs.append(plain)
-        launch, summary = triage(points, configs)
+        dry_run = bool(configs and configs[0]["sweep"].get("dry_run"))
+        launch, summary = triage(points, configs, write=not dry_run)
         print(summary, flush=True)
+        if dry_run:
+            print(
+                "harness sweep: dry run (sweep.dry_run=true): nothing written, nothing launched", flush=True
+            )
+            return []
         keep = [p for p, _ in launch]
         if configs:
             start_progress(
