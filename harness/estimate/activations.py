@@ -113,6 +113,18 @@ def stage_layer_activations(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stag
     return kept
 
 
+def recompute_working_set(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, engine: str) -> int:
+    """What :func:`stage_layer_activations` counts for the one layer recomputed during backward, beyond
+    what the stage keeps: full, that layer's activations less its kept input; selective, its attention
+    core again; none, 0."""
+    if t.recompute == "none":
+        return 0
+    full_layer = layer_activation_bytes(m, p, t, engine=engine, recompute="none")
+    if t.recompute == "full":
+        return full_layer - layer_input_bytes(m, p, t)
+    return full_layer - layer_activation_bytes(m, p, t, engine=engine)
+
+
 def _last_stage_inflight(p: ParallelSpec, t: TrainSpec) -> int:
     """Micro-batches whose output layer and logits the last stage holds at once."""
     return t.num_microbatches if (p.pp > 1 and p.pp_schedule == "gpipe") else 1
