@@ -188,7 +188,8 @@ def residuals_by_term(ev: Evaluation, out_dir: Path) -> list[Path]:
         right.plot([], [], color=color, lw=6, label=LABELS[name])
     right.axhline(0, color="0.3", lw=1)
     right.axhspan(-10, 10, color="0.9", zorder=0)
-    right.set_xticks(pos, [f"{g}\n({(groups == g).sum()})" for g in order], fontsize=8)
+    labels = [f"{g} ({(groups == g).sum()})" for g in order]
+    right.set_xticks(pos, labels, fontsize=8, rotation=40, ha="right", rotation_mode="anchor")
     right.set_xlabel("parallel axes used (runs)")
     right.set_ylabel("(predicted − measured) / measured (%)")
     right.set_title("Held-out error by layout family (grey band ±10 %)", fontsize=9)
