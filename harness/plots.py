@@ -115,7 +115,7 @@ def throughput_heatmap(frame: pd.DataFrame, out_dir: Path) -> list[Path]:
     """The best throughput per device for each tp x pp, one panel per model and world size (best over
     dp, cp, ZeRO, micro-batch and the rest: what a user who tuned everything else would get)."""
     ok = frame[(frame["status"] == "ok") & frame["tflops_per_device"].notna()].copy()
-    ok["world"] = ok["parallel_dp"] * ok["parallel_tp"] * ok["parallel_pp"] * ok["parallel_cp"]
+    ok["world"] = world_of(ok)
     models = sorted(ok["model_name"].unique())
     worlds = sorted(w for w in ok["world"].unique() if w > 1)
     scale, unit = throughput_unit(ok)
@@ -146,6 +146,11 @@ def throughput_heatmap(frame: pd.DataFrame, out_dir: Path) -> list[Path]:
     fig.colorbar(im, ax=axes, shrink=0.8, label=f"best model {unit} per rank")
     fig.suptitle(f"Throughput per rank by tensor x pipeline degree (blank: no successful run); {unit}")
     return _save(fig, out_dir, "throughput_tp_pp")
+
+
+def world_of(frame: pd.DataFrame) -> pd.Series:
+    """Each run's number of ranks, dp·tp·pp·cp."""
+    return frame["parallel_dp"] * frame["parallel_tp"] * frame["parallel_pp"] * frame["parallel_cp"]
 
 
 def axes_used(frame: pd.DataFrame) -> pd.Series:

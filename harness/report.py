@@ -12,6 +12,7 @@ from pathlib import Path
 import pandas as pd
 
 from harness.calibrate import ESTIMATORS, MIB, PAPER_THRESHOLD, Evaluation, evaluate
+from harness.plots import all_figures, throughput_unit, world_of
 from harness.record import STATUSES
 
 GROUP_WORDS = {"world": "world size", "model": "model", "layout": "tp-pp-cp layout"}
@@ -25,10 +26,6 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def _pct(x: float | None) -> str:
     return "none" if x is None else f"{x:.1%}"
-
-
-def world_of(frame: pd.DataFrame) -> pd.Series:
-    return frame["parallel_dp"] * frame["parallel_tp"] * frame["parallel_pp"] * frame["parallel_cp"]
 
 
 def layout_label(r: pd.Series) -> str:
@@ -158,8 +155,6 @@ def calibration_section(ev: Evaluation) -> list[str]:
 
 
 def throughput_section(frame: pd.DataFrame) -> list[str]:
-    from harness.plots import throughput_unit
-
     ok = frame[(frame["status"] == "ok") & frame["tflops_per_device"].notna()].copy()
     if ok.empty:
         return ["## Throughput", "", "No successful run has a throughput figure."]
@@ -206,8 +201,6 @@ def write_report(
     group_by: str = "world",
 ) -> Path:
     """Evaluate, draw every figure into ``out_dir/figures`` and write ``out_dir/report.md``."""
-    from harness.plots import all_figures
-
     out = Path(out_dir)
     ev = evaluate(frame, engine=engine, group_by=group_by)
     figures = all_figures(ev, frame, out / "figures")

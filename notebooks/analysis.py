@@ -30,8 +30,8 @@ from pathlib import Path
 import pandas as pd
 
 from harness.calibrate import evaluate
-from harness.plots import all_figures
-from harness.report import layout_label, world_of
+from harness.plots import all_figures, world_of
+from harness.report import layout_label
 from harness.store import load_results
 
 RESULTS_DIR = Path(os.environ.get("HARNESS_RESULTS_DIR", "results/cpu_study"))
@@ -67,7 +67,9 @@ print("calibrated:", ev.model.describe())
 # %%
 measured = ev.data.frame.loc[ev.data.measured].copy()
 measured["torch_error"] = ev.predictions["torch"][ev.data.measured] / measured["peak_allocated_bytes"] - 1
-measured["calibrated_error"] = ev.predictions["calibrated"][ev.data.measured] / measured["peak_allocated_bytes"] - 1
+measured["calibrated_error"] = (
+    ev.predictions["calibrated"][ev.data.measured] / measured["peak_allocated_bytes"] - 1
+)
 measured["layout"] = measured.apply(layout_label, axis=1)
 worst = measured.reindex(measured["torch_error"].abs().sort_values(ascending=False).index)
 worst[["model_name", "layout", "train_seq_len", "torch_error", "calibrated_error"]].head(10)

@@ -163,12 +163,11 @@ def _results(args: Sequence[str]) -> int:
 def _calibrate(overrides: Sequence[str]) -> int:
     from harness.calibrate import evaluate, profile_of, save_profile
     from harness.cli.render import calibration_table
-    from harness.store import load_results
 
     cfg = compose(overrides)
     fmt, _ = _output_settings(cfg)
     root = str(cfg["results_dir"])
-    frame, bad = _load(root, load_results)
+    frame = _load(root)
     ev = evaluate(frame, engine=engine_name(cfg), group_by=str(cfg["calibrate"]["group_by"]))
     path = save_profile(
         profile_of(ev, results_dir=root), cfg["calibrate"]["profile"] or f"{root}/calibration.json"
@@ -177,18 +176,15 @@ def _calibrate(overrides: Sequence[str]) -> int:
         print(json.dumps({"estimators": ev.metrics, "profile": str(path)}, indent=2))
     else:
         print(calibration_table(ev, profile_path=str(path)))
-    for line in bad:
-        print(f"unreadable: {line}", file=sys.stderr)
     return 0
 
 
 def _report(overrides: Sequence[str]) -> int:
     from harness.report import write_report
-    from harness.store import load_results
 
     cfg = compose(overrides)
     root = str(cfg["results_dir"])
-    frame, bad = _load(root, load_results)
+    frame = _load(root)
     path = write_report(
         frame,
         out_dir=cfg["report"]["out"] or root,
@@ -197,20 +193,23 @@ def _report(overrides: Sequence[str]) -> int:
         group_by=str(cfg["calibrate"]["group_by"]),
     )
     print(f"report: {path}")
-    for line in bad:
-        print(f"unreadable: {line}", file=sys.stderr)
     return 0
 
 
-def _load(root: str, load_results):
+def _load(root: str):
+    """The runs of ``root`` (unreadable files named on stderr); a missing or empty directory is an error."""
     from pathlib import Path
+
+    from harness.store import load_results
 
     if not Path(root).is_dir():
         raise ValueError(f"results_dir={root} is not a directory")
     frame, bad = load_results(root)
+    for line in bad:
+        print(f"unreadable: {line}", file=sys.stderr)
     if frame.empty:
         raise ValueError(f"results_dir={root} holds no runs")
-    return frame, bad
+    return frame
 
 
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {

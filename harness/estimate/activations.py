@@ -101,16 +101,14 @@ def stage_layer_activations(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stag
     """
     layers_per_chunk = m.num_layers // (p.pp * p.virtual_stages)
     layers = inflight_chunks(p, t, stage=stage) * layers_per_chunk
-    if t.recompute == "full":
-        full_layer = layer_activation_bytes(m, p, t, engine=engine, recompute="none")
-        # The recomputed layer's own input is one of the kept inputs (its first norm input).
-        return (layers - 1) * layer_input_bytes(m, p, t) + full_layer
-    kept = layers * layer_activation_bytes(m, p, t, engine=engine)
-    if t.recompute == "selective":
-        # The recomputed attention core materialises one layer's scores again during backward.
-        full_layer = layer_activation_bytes(m, p, t, engine=engine, recompute="none")
-        kept += full_layer - layer_activation_bytes(m, p, t, engine=engine)
-    return kept
+    # Full: the recomputed layer's own input is one of the kept inputs (its first norm input).
+    # Selective: the recomputed attention core materialises one layer's scores again during backward.
+    per_layer = (
+        layer_input_bytes(m, p, t)
+        if t.recompute == "full"
+        else layer_activation_bytes(m, p, t, engine=engine)
+    )
+    return layers * per_layer + recompute_working_set(m, p, t, engine=engine)
 
 
 def recompute_working_set(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, engine: str) -> int:

@@ -183,12 +183,9 @@ def plan(base: RunSpec, opts: PlanOptions) -> PlanResult:
         stages = dominant_stages(group[0].parallel.pp)
         for spec in group:
             est = estimate_canonical(spec, engine=opts.engine, stages=stages)
-            if opts.calibration is None:
-                fits = est.utilisation <= opts.threshold
-                rows.append(PlanRow(est, cost(spec) if fits else None, fits))
-            else:
-                calibrated = opts.calibration.total_bytes(est)
-                fits = calibrated / est.capacity_bytes <= opts.threshold
-                rows.append(PlanRow(est, cost(spec) if fits else None, fits, calibrated))
+            calibrated = None if opts.calibration is None else opts.calibration.total_bytes(est)
+            predicted = est.total_bytes if calibrated is None else calibrated
+            fits = predicted / est.capacity_bytes <= opts.threshold
+            rows.append(PlanRow(est, cost(spec) if fits else None, fits, calibrated))
     rows.sort(key=PlanRow.sort_key)
     return PlanResult(tuple(rows), considered, invalid)
