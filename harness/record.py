@@ -114,6 +114,7 @@ def finish_record(
         row["peak_allocated_bytes"] = worst["peak_allocated_bytes"]
         row["worst_rank"] = worst["rank"]
         row["memory_method"] = worst["memory_method"]
+        row["tracker_peak_bytes"] = worst.get("tracker_peak_bytes")  # CPU: MemTracker's own peak
         for key in (
             "peak_reserved_bytes",
             "peak_active_bytes",

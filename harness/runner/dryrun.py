@@ -42,7 +42,7 @@ def dry_run_peak(spec: RunSpec, *, rank: int = 0) -> dict[str, Any]:
             par = parallelize(model, spec, mesh, torch.device("cpu"))
             per_rank = (t.micro_batch_size * t.num_microbatches, t.seq_len // p.cp)
             tokens = torch.randint(0, spec.model.vocab_size, per_rank)
-            memory = PeakMemory(par.modules, par.optimizer, torch.device("cpu"))
+            memory = PeakMemory(par.modules, par.optimizer, torch.device("cpu"), allocator=False)
             train_step(par, tokens, tokens, num_microbatches=t.num_microbatches)
             with memory.measure():
                 train_step(par, tokens, tokens, num_microbatches=t.num_microbatches)
