@@ -13,6 +13,9 @@ from harness.estimate import activations as act
 from harness.estimate import buffers as buf
 
 BASE = dict(train_seq_len=256, train_micro_batch_size=2)
+# torch: F.rms_norm also saves its normalised output, 2·sbh more per layer = 131,072 elements · 2 B.
+NORM_OUT = 262_144
+TORCH_LAYER = 2_359_296 + NORM_OUT
 
 
 def layer(engine="torch", **kw):
@@ -20,13 +23,14 @@ def layer(engine="torch", **kw):
     return act.layer_activation_bytes(s.model, s.parallel, s.train, engine=engine)
 
 
-@pytest.mark.parametrize("engine", ["megatron", "torch"])
-def test_layer_without_parallelism(engine):
+def test_layer_without_parallelism():
     # norms 2·sbh 131,072 + attention input sbh 65,536 + Q and output 2·sbh 131,072
     # + K,V 2·sbh·k/a 65,536 + MLP input sbh 65,536 + 4·sbf 720,896 = 1,179,648 elements · 2 B.
-    assert layer(engine) == 2_359_296
+    assert layer("megatron") == 2_359_296
     # The ESTIMATOR's closed form: sbh·2·(12 + 4k/a + 8f/h)/2 = 65,536·(12 + 2 + 22) = 2,359,296.
-    assert layer(engine) == 65_536 * (12 + 2 + 22)
+    assert layer("megatron") == 65_536 * (12 + 2 + 22)
+    # torch: + the two norms' outputs, 2·sbh elements = 4·sbh bytes: 65,536·(16 + 2 + 22).
+    assert layer("torch") == TORCH_LAYER == 65_536 * (16 + 2 + 22)
 
 
 def test_megatron_tp_with_sp_shards_everything():
@@ -35,32 +39,33 @@ def test_megatron_tp_with_sp_shards_everything():
 
 def test_tp_without_sp_llama_form():
     # Korthikanti Table 2 adapted: sbh·(8 + (4 + 4k/a + 8f/h)/t) bytes = 65,536·(8 + 28/2) = 1,441,792.
-    for engine in ("megatron", "torch"):
-        assert layer(engine, parallel_tp=2, parallel_sequence_parallel=False) == 1_441_792
+    assert layer("megatron", parallel_tp=2, parallel_sequence_parallel=False) == 1_441_792
+    # torch: the norms' outputs are not sharded without SP either.
+    assert layer("torch", parallel_tp=2, parallel_sequence_parallel=False) == 1_441_792 + NORM_OUT
 
 
 def test_torch_tp_sp_saves_the_gathered_inputs_in_full():
-    # norms /2 → 65,536; attention + MLP inputs stay full 131,072; Q,out /2 → 65,536;
-    # K,V /2 → 32,768; MLP /2 → 360,448: 655,360 elements = 1,310,720 B.
-    assert layer("torch", parallel_tp=2, parallel_sequence_parallel=True) == 1_310_720
+    # norms (inputs and outputs) /2 → 131,072; attention + MLP inputs stay full 131,072; Q,out /2 →
+    # 65,536; K,V /2 → 32,768; MLP /2 → 360,448: 720,896 elements = 1,441,792 B.
+    assert layer("torch", parallel_tp=2, parallel_sequence_parallel=True) == 1_441_792
 
 
 def test_context_parallel():
     # megatron divides everything by c = 2.
     assert layer("megatron", parallel_cp=2) == 1_179_648
     # torch: everything /2 except the gathered, full-sequence K and V (65,536 elements):
-    # 65,536 + 65,536 + 65,536 + 65,536 + 360,448 = 622,592 elements = 1,245,184 B.
-    assert layer("torch", parallel_cp=2) == 1_245_184
+    # norms 131,072 + 65,536 + 65,536 + 65,536 + 360,448 = 688,128 elements = 1,376,256 B.
+    assert layer("torch", parallel_cp=2) == 1_376_256
 
 
 def test_math_attention_adds_scores_and_selective_recompute_drops_them():
     # score + softmax: 2·a·s²·b = 2·4·65,536·2 = 1,048,576 elements = 2,097,152 B more.
-    assert layer(train_attention="math") == 2_359_296 + 2_097_152
-    assert layer(train_attention="math", train_recompute="selective") == 2_359_296
+    assert layer(train_attention="math") == TORCH_LAYER + 2_097_152
+    assert layer(train_attention="math", train_recompute="selective") == TORCH_LAYER
     # … but one layer's scores come back while its attention core is recomputed in backward.
     sel = spec("tiny", **BASE, train_attention="math", train_recompute="selective")
     stage = act.stage_layer_activations(sel.model, sel.parallel, sel.train, stage=0, engine="torch")
-    assert stage == 4 * 2_359_296 + 2_097_152
+    assert stage == 4 * TORCH_LAYER + 2_097_152
     # With CP = 2 each rank holds (s/c)·s scores per head: half.
     assert layer("megatron", train_attention="math", parallel_cp=2) == (2_359_296 + 2_097_152) // 2
 
@@ -68,9 +73,9 @@ def test_math_attention_adds_scores_and_selective_recompute_drops_them():
 def test_full_recompute_keeps_layer_inputs_plus_one_layer():
     s = spec("tiny", **BASE, train_recompute="full")
     # 4 layers × input sbh·2 B = 131,072 each, plus one layer recomputed in full 2,359,296, whose own
-    # input (its first norm input) is one of the four: 3 · 131,072 + 2,359,296.
+    # input (its first norm input) is one of the four: 3 · 131,072 + 2,359,296 (+ its norms' outputs).
     got = act.stage_layer_activations(s.model, s.parallel, s.train, stage=0, engine="torch")
-    assert got == 3 * 131_072 + 2_359_296
+    assert got == 3 * 131_072 + TORCH_LAYER
 
 
 @pytest.mark.parametrize(
@@ -95,7 +100,7 @@ def test_inflight_microbatches(schedule, v, m, layers_by_stage):
         train_num_microbatches=m,
     )
     got = [act.stage_layer_activations(s.model, s.parallel, s.train, stage=i, engine="torch") for i in (0, 1)]
-    assert got == [n * 2_359_296 for n in layers_by_stage]
+    assert got == [n * TORCH_LAYER for n in layers_by_stage]
 
 
 def test_ends_of_the_model():

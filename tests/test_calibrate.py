@@ -43,7 +43,7 @@ def synthetic(n: int, true: dict[str, float], constant_bytes: float, noise: floa
 
 def test_recovers_known_coefficients_from_noisy_runs():
     true = {"activations": 1.3, "logits": 2.0, "loss": 0.5, "pp_p2p": 3.0}
-    X, y = synthetic(600, true, constant_bytes=40 * MIB, noise=0.01)
+    X, y = synthetic(2000, true, constant_bytes=40 * MIB, noise=0.01)
     # alpha ~ 0: the prior towards 1 is a deliberate bias (see MemoryCalibrator), tested below
     model = MemoryCalibrator(alpha=1e-7).fit(X, y)
     got = dict(zip(TERMS, model.coef_, strict=True))

@@ -12,36 +12,47 @@ from harness.estimate.params import layer_params, non_layer_params
 from harness.specs import ModelSpec, ParallelSpec, TrainSpec
 
 
-def fsdp_allgather(m: ModelSpec, *, stage: int, pp: int, tp: int, zero_stage: int, precision: str) -> int:
-    """ZeRO-3 all-gather outputs: the current and the prefetched layer unsharded in the compute dtype,
-    plus the root's parameters (embedding, final norm, head), which FSDP2 does not reshard after the
-    root's forward because backward needs them at once."""
-    if zero_stage < 3:
+def fsdp_allgather(
+    m: ModelSpec, *, stage: int, pp: int, tp: int, zero_stage: int, precision: str, engine: str
+) -> int:
+    """ZeRO-3 all-gather outputs alive at the peak, in the compute dtype.
+
+    Without pipelining the peak is at the loss, when FSDP2 has resharded every layer and the root
+    (embedding, final norm, head) after forward and backward has not yet gathered any of them: 0. The
+    head's backward re-gathers the root (plus gloo's staging copy) only after the loss's buffers are
+    freed, which exceeds the loss's peak only when s·b < 2h (measured on the CPU study's ``small``
+    model at s·b = 2h = 512: the two peaks equal to the byte). Under pipelining a stage's peak comes in
+    a forward that follows other micro-batches' backward: the current and the prefetched layer and the
+    root, unsharded. megatron (ZeRO-3 in general, prefetching and keeping the root): always these."""
+    if zero_stage < 3 or (pp == 1 and engine == "torch"):
         return 0
     compute_bytes = 2 if precision == "bf16" else 4
     root = non_layer_params(m, stage=stage, pp=pp, tp=tp)
     return compute_bytes * (2 * layer_params(m, tp=tp) + root)
 
 
-def grad_reduce(m: ModelSpec, *, tp: int, zero_stage: int, shards: int) -> int:
-    """ZeRO-2/3 reduce-scatter input: one layer's unsharded gradients in the FP32 reduce dtype."""
-    if zero_stage < 2 or shards == 1:
+def grad_reduce(m: ModelSpec, *, tp: int, zero_stage: int, shards: int, engine: str) -> int:
+    """ZeRO-2/3 reduce-scatter input: one layer's unsharded gradients in the FP32 reduce dtype.
+
+    Megatron overlaps the reduce-scatter with backward. The runner's FSDP2 reduces only in the last
+    micro-batch's backward, layer by layer as that layer's activations are freed, so its buffer is
+    never alive at the peak (at the loss): 0 for torch."""
+    if zero_stage < 2 or shards == 1 or engine == "torch":
         return 0
     return 4 * layer_params(m, tp=tp)
 
 
-DDP_BUCKET_BYTES = 25 * 2**20  # torch.nn.parallel.DistributedDataParallel(bucket_cap_mb=25)
-
-
-def ddp_bucket(n: int, *, zero_stage: int, shards: int, engine: str) -> int:
-    """DDP's gradient bucket being all-reduced (25 MiB by default, at most the gradients' size).
-
-    The runner uses ``gradient_as_bucket_view=True``, so the buckets alias the gradients; what remains is
-    one bucket's collective work buffer. Megatron reduces its contiguous gradient buffer in place.
-    """
-    if engine != "torch" or zero_stage >= 2 or shards == 1:
+def ddp_bucket(n: int, *, pp: int, zero_stage: int, shards: int, engine: str) -> int:
+    """DDP's second set of gradient buckets: its C++ reducer rebuilds the buckets once, in the second
+    step's forward (in the order the first backward produced the gradients), while the first set is
+    still alive — a second copy of the FP32 gradients (4 B per parameter) at that step's peak. The
+    runner measures from the second step on, as a real job's memory must hold it; measured on the CPU
+    study (+4n against MemTracker, which does not see the C++ allocation, and the allocator back to
+    one set from the third step). Under pipelining the runner replicates with FSDP2's ``replicate``,
+    which has no such buckets; Megatron reduces its contiguous gradient buffer in place."""
+    if engine != "torch" or zero_stage >= 2 or shards == 1 or pp > 1:
         return 0
-    return min(DDP_BUCKET_BYTES, 4 * n)
+    return 4 * n
 
 
 def optimizer_step(n: int, *, zero_stage: int, shards: int, engine: str) -> int:
@@ -98,7 +109,8 @@ def cp_kv_allgather(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
 
 def loss(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: str = "megatron") -> int:
     """The cross-entropy's FP32 logits (upcast or softmax) and their FP32 gradient on the last stage:
-    2 × 4·s·b·v/(t·c) — often the single largest temporary. torch under pipelining: the schedule
+    2 × 4·s·b·v/(t·c) — often the single largest temporary (torch's loss_parallel under tp: 3 ×). torch
+    under pipelining: the schedule
     computes each micro-batch's loss in its forward, so every in-flight micro-batch keeps its FP32
     softmax (GPipe: all m) plus one gradient, over the gathered vocabulary."""
     if stage != p.pp - 1:
@@ -106,4 +118,9 @@ def loss(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: str
     sbv4 = 4 * t.seq_len * t.micro_batch_size * m.vocab_size
     if engine == "torch" and p.pp > 1:
         return sbv4 * act.held_outputs(p, t, engine=engine) // act.vocab_shards(p, engine=engine)
+    if engine == "torch" and p.tp > 1:
+        # loss_parallel decomposes the vocabulary-sharded log-softmax into DTensor ops whose backward
+        # holds three shards at once (measured: 3 × 8 MiB at the peak of a small tp 2 run, 2 × 8 MiB
+        # in the fused single-rank loss).
+        return 3 * sbv4 // (p.tp * p.cp)
     return 2 * sbv4 // (p.tp * p.cp)

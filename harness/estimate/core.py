@@ -4,9 +4,11 @@ A rank's peak (ESTIMATOR.md, STYLE.md 1 and 3):
 
   total = states + max(forward/backward terms, optimizer-step terms)
 
-where states are ``params + grads + optimizer``, the forward/backward terms are every activation and
-temporary buffer alive at the end of the last forward / start of backward, and the optimizer step's
-intermediates come after backward has freed the activations. Engine `paper` is its closed form.
+where states are ``params + grads + optimizer`` (``grads``: the gradients alive at the forward/backward
+peak), the forward/backward terms are every activation and temporary buffer alive at the end of the
+last forward / start of backward, and the optimizer step's terms come after backward has freed the
+activations: its intermediates, and (torch) the gradients that backward made after the peak
+(``step_grads``; the runner frees them every step). Engine `paper` is its closed form.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ BUFFER_TERMS = (
     "cp_kv_allgather",
     "loss",
 )
-STEP_TERMS = ("optimizer_step",)
+STEP_TERMS = ("step_grads", "optimizer_step")
 TERMS = STATE_TERMS + ACTIVATION_TERMS + BUFFER_TERMS + STEP_TERMS
 _FWD_BWD_TERMS = ACTIVATION_TERMS + BUFFER_TERMS
 FLOPS_CONVENTION = "megatron"
@@ -129,22 +131,41 @@ Items = tuple[tuple[str, int], ...]
 
 @lru_cache(maxsize=65536)
 def _state_terms(
-    m: ModelSpec, stage: int, pp: int, tp: int, shards: int, zero: int, precision: str, engine: str
+    m: ModelSpec,
+    stage: int,
+    pp: int,
+    tp: int,
+    shards: int,
+    zero: int,
+    precision: str,
+    engine: str,
+    grads_at_peak: str,
 ) -> tuple[Items, int, int, int]:
-    """(items, states sum, forward/backward buffers sum, optimizer-step sum)."""
+    """(items, states sum, forward/backward buffers sum, optimizer-step sum). ``grads_at_peak``: torch's
+    :func:`states.torch_grads_at_peak` (megatron keeps its gradient buffer: "kept")."""
     n = stage_params(m, stage=stage, pp=pp, tp=tp)
+    if engine == "torch" and shards == 1:
+        zero = 0  # the runner wraps nothing for one data-parallel rank: every ZeRO stage is plain AdamW
     states = (st.megatron_states if engine == "megatron" else st.torch_states)(
         n, zero_stage=zero, shards=shards, precision=precision
     )
+    step_grads = 0
+    if grads_at_peak == "none":  # made in backward, gone after the step: the step's term only
+        states["grads"], step_grads = 0, states["grads"]
+    elif grads_at_peak == "accumulated" and zero >= 2:  # FSDP2 accumulates them unsharded
+        states["grads"] = (2 if precision == "bf16" else 4) * n
     items = (
         *states.items(),
         ("param_copies", st.param_copies(n, zero_stage=zero, precision=precision, engine=engine)),
         (
             "fsdp_allgather",
-            buf.fsdp_allgather(m, stage=stage, pp=pp, tp=tp, zero_stage=zero, precision=precision),
+            buf.fsdp_allgather(
+                m, stage=stage, pp=pp, tp=tp, zero_stage=zero, precision=precision, engine=engine
+            ),
         ),
-        ("grad_reduce", buf.grad_reduce(m, tp=tp, zero_stage=zero, shards=shards)),
-        ("ddp_bucket", buf.ddp_bucket(n, zero_stage=zero, shards=shards, engine=engine)),
+        ("grad_reduce", buf.grad_reduce(m, tp=tp, zero_stage=zero, shards=shards, engine=engine)),
+        ("ddp_bucket", buf.ddp_bucket(n, pp=pp, zero_stage=zero, shards=shards, engine=engine)),
+        ("step_grads", step_grads),
         ("optimizer_step", buf.optimizer_step(n, zero_stage=zero, shards=shards, engine=engine)),
     )
     d = dict(items)
@@ -199,8 +220,9 @@ def _activation_terms(
 def _stage(spec: RunSpec, stage: int, engine: str) -> StageEstimate:
     """One stage's terms and peak (= ``peak_bytes(terms)``, from the cached partial sums)."""
     m, p, t = spec.model, spec.parallel, spec.train
+    grads = st.torch_grads_at_peak(p, t, stage=stage) if engine == "torch" else "kept"
     s_items, states, buffers, step = _state_terms(
-        m, stage, p.pp, p.tp, p.dp * p.cp, p.zero_stage, t.precision, engine
+        m, stage, p.pp, p.tp, p.dp * p.cp, p.zero_stage, t.precision, engine, grads
     )
     layout = (p.tp, p.pp, p.cp, p.sequence_parallel, p.pp_schedule, p.virtual_stages, p.cp_load_balance)
     a_items, activations = _activation_terms(m, t, stage, engine, layout)
@@ -216,15 +238,24 @@ def estimate(spec: RunSpec, *, engine: str = "torch") -> Estimate:
     return estimate_canonical(canonical(spec), engine=engine)
 
 
-def dominant_stages(pp: int) -> tuple[int, ...]:
-    """The stages among which the most-loaded one always is: 0, 1 and the last.
+def dominant_stages(p: ParallelSpec, t: TrainSpec) -> tuple[int, ...]:
+    """The stages among which the most-loaded one always is: 0, 1, the last, and the first middle
+    stage whose peak follows a backward (torch: its gradients are alive then).
 
     Stages 1 … pp − 2 hold the same parameters (L/pp layers, no embedding or head), the same buffers
-    and no token ids; they differ only in in-flight micro-batches, which never grow with the stage
-    index (``inflight_chunks``). So stage 1 bounds every middle stage, and the max over these three
-    equals the max over all stages (a property test checks it).
+    and no token ids; they differ in in-flight micro-batches, which never grow with the stage index
+    (``inflight_chunks``), and in whether the runner's gradients exist at their peak, which once true
+    stays true for every later stage (:func:`states.torch_grads_at_peak`). So stage 1 and the first
+    stage with gradients bound every middle stage, and the max over these equals the max over all
+    stages (a property test checks it).
     """
-    return tuple(sorted({0, min(1, pp - 1), pp - 1}))
+    pp = p.pp
+    stages = {0, min(1, pp - 1), pp - 1}
+    for i in range(1, pp - 1):
+        if st.torch_grads_at_peak(p, t, stage=i) == "accumulated":
+            stages.add(i)
+            break
+    return tuple(sorted(stages))
 
 
 def estimate_canonical(

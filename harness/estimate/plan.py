@@ -180,7 +180,7 @@ def plan(base: RunSpec, opts: PlanOptions) -> PlanResult:
         if layout_problems(group[0]):
             invalid += len(group)
             continue
-        stages = dominant_stages(group[0].parallel.pp)
+        stages = dominant_stages(group[0].parallel, group[0].train)
         for spec in group:
             est = estimate_canonical(spec, engine=opts.engine, stages=stages)
             calibrated = None if opts.calibration is None else opts.calibration.total_bytes(est)

@@ -9,6 +9,9 @@ pads the first dimension to a multiple of the group size.
 
 from __future__ import annotations
 
+from harness.estimate.activations import inflight_chunks
+from harness.specs import ParallelSpec, TrainSpec
+
 
 def _shard(n_bytes: int, shards: int) -> int:
     return -(-n_bytes // shards)
@@ -43,6 +46,11 @@ def torch_states(n: int, *, zero_stage: int, shards: int, precision: str) -> dic
       from forward to backward (``param_copies``).
     - ZeRO-3: FSDP2 ``fully_shard(reshard_after_forward=True)``: as ZeRO-2 but only the current and the
       prefetched layer are unsharded at once (``fsdp_allgather``, a temporary).
+    - One data-parallel rank (d·c = 1): the runner wraps nothing, whatever the ZeRO stage
+      (:mod:`harness.estimate.core` passes stage 0).
+
+    These are the gradients at the optimizer step; which of them exist at the forward/backward peak is
+    :func:`torch_grads_at_peak`'s question.
     """
     del precision  # FP32 master parameters and states in both modes; the compute dtype is elsewhere
     fsdp = zero_stage >= 2
@@ -69,3 +77,30 @@ def param_copies(n: int, *, zero_stage: int, precision: str, engine: str) -> int
     if zero_stage <= 1 and precision == "bf16":
         return 2 * n
     return 0
+
+
+def torch_grads_at_peak(p: ParallelSpec, t: TrainSpec, *, stage: int) -> str:
+    """Whether the runner's gradients exist at the forward/backward peak of ``stage``'s rank.
+
+    The runner ends every step with ``zero_grad(set_to_none=True)``, so gradients exist from their
+    first backward to the optimizer step:
+
+    - ``"kept"``: DDP (d·c > 1, ZeRO 0/1, no pipeline) keeps its gradient buckets for good (the
+      gradients are views of them).
+    - ``"accumulated"``: the peak micro-batch follows a backward on this rank, which made them:
+      gradient accumulation (m > 1), and pipeline stages whose in-flight micro-batches are fewer than
+      their micro-batches (1F1B's last stage from its second micro-batch on; never GPipe, whose
+      forwards all come first). FSDP2 accumulates them unsharded, in the compute dtype.
+    - ``"none"``: the peak (at the loss of the only micro-batch, or at the end of a pipeline's warm-up)
+      comes before any backward; the gradients are a term of the optimizer step only. Measured on the
+      CPU study: a single rank's and FSDP's peak hold no gradients.
+    """
+    shards = p.dp * p.cp
+    if shards > 1 and p.zero_stage <= 1 and p.pp == 1:
+        return "kept"
+    if p.pp == 1:
+        return "accumulated" if t.num_microbatches > 1 else "none"
+    if p.pp_schedule == "gpipe":
+        return "none"
+    chunks = t.num_microbatches * p.virtual_stages
+    return "accumulated" if chunks > inflight_chunks(p, t, stage=stage) else "none"

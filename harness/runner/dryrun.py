@@ -40,6 +40,7 @@ def dry_run_peak(spec: RunSpec, *, rank: int = 0) -> dict[str, Any]:
         with FakeTensorMode():
             model = Llama(spec.model, seq_len=t.seq_len)
             par = parallelize(model, spec, mesh, torch.device("cpu"))
+            del model  # as the real rank does: a pipeline stage is a copy of it
             per_rank = (t.micro_batch_size * t.num_microbatches, t.seq_len // p.cp)
             tokens = torch.randint(0, spec.model.vocab_size, per_rank)
             memory = PeakMemory(par.modules, par.optimizer, torch.device("cpu"), allocator=False)

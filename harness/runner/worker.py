@@ -114,6 +114,9 @@ def _run(spec: RunSpec, device: torch.device) -> dict[str, Any]:
     targets = targets[dp_rank * per_rank : (dp_rank + 1) * per_rank]
     build_start = time.perf_counter()
     par = parallelize(model, spec, mesh, device)
+    # A pipeline rank's stages are copies of the model: the whole model would otherwise stay alive
+    # beside them, in host memory (on CPU, the measured memory: +38 MiB on every small pp rank).
+    del model
     build_s = time.perf_counter() - build_start
     if par.positions is not None:
         tokens, targets = shard_sequence(tokens, par.positions), shard_sequence(targets, par.positions)
