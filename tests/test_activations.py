@@ -54,8 +54,15 @@ def test_context_parallel():
     # megatron divides everything by c = 2.
     assert layer("megatron", parallel_cp=2) == 1_179_648
     # torch: everything /2 except the gathered, full-sequence K and V (65,536 elements):
-    # norms 131,072 + 65,536 + 65,536 + 65,536 + 360,448 = 688,128 elements = 1,376,256 B.
-    assert layer("torch", parallel_cp=2) == 1_376_256
+    # norms 131,072 + 65,536 + 65,536 + 65,536 + 360,448 = 688,128 elements, plus the causal mask SDPA
+    # saves in the compute dtype, (s/c)·s = 128·256 = 32,768 elements: 720,896 elements = 1,441,792 B.
+    assert layer("torch", parallel_cp=2) == 1_441_792
+    # Recomputing the attention core (selective) recomputes the mask's conversion too.
+    assert layer("torch", parallel_cp=2, train_recompute="selective") == 1_376_256
+    s = spec("tiny", **BASE, parallel_cp=2)
+    # The gathered K and V (2·s·b·h·k/a = 65,536 elements · 2 B) and the boolean mask (32,768 B).
+    assert buf.cp_kv_allgather(s.model, s.parallel, s.train, engine="torch") == 131_072 + 32_768
+    assert buf.cp_kv_allgather(s.model, s.parallel, s.train, engine="megatron") == 131_072
 
 
 def test_math_attention_adds_scores_and_selective_recompute_drops_them():
@@ -158,3 +165,19 @@ def test_torch_recomputed_layer_and_loss_buffers_are_not_added():
     assert terms["activations"] == kept + working - min(working, head) == kept
     meg = estimate(s, engine="megatron").worst.terms
     assert meg["activations"] == act.stage_layer_activations(m, p, t, stage=0, engine="megatron")
+
+
+def test_torch_pipeline_receive_buffers_per_virtual_stage():
+    # One boundary activation s·b·h = 65,536 elements · 2 B = 131,072 B per micro-batch and direction.
+    one = 131_072
+    s = replace(spec("tiny", **BASE), parallel_pp=2, train_num_microbatches=8)
+    m, p, t = s.model, s.parallel, s.train
+    # 1F1B: each rank receives from its one neighbour; megatron reuses one buffer per direction.
+    assert [buf.pp_p2p(m, p, t, stage=i, engine="torch") for i in (0, 1)] == [8 * one, 8 * one]
+    assert buf.pp_p2p(m, p, t, stage=0, engine="megatron") == one
+    # Interleaved, v = 2: rank 0 holds stages 0 (gradients in) and 2 (activations and gradients in),
+    # rank 1 stages 1 and 3 (the last: activations in): 3 per micro-batch on both (measured on the
+    # runner: 24 buffers of s·b·h for 8 micro-batches on each rank).
+    s = replace(s, parallel_pp_schedule="interleaved_1f1b", parallel_virtual_stages=2)
+    m, p, t = s.model, s.parallel, s.train
+    assert [buf.pp_p2p(m, p, t, stage=i, engine="torch") for i in (0, 1)] == [24 * one, 24 * one]

@@ -79,8 +79,8 @@ def pp_p2p(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: s
     """Pipeline receive buffers of one stage-boundary activation (s·b·h/(t·c) with SP, /c without).
 
     torch: ``torch.distributed.pipelining`` allocates a forward receive buffer per micro-batch (all
-    stages but the first) and a gradient receive buffer per micro-batch (all but the last) at the start
-    of the step. megatron: one buffer per direction, reused.
+    stages but the first) and a gradient receive buffer per micro-batch (all but the last), for every
+    virtual stage, once, and keeps them. megatron: one buffer per direction, reused.
     """
     if p.pp == 1:
         return 0
@@ -92,19 +92,27 @@ def pp_p2p(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: s
         * m.hidden_size
         // (p.cp * (p.tp if sp else 1))
     )
-    directions = (stage > 0) + (stage < p.pp - 1)
-    per_direction = t.num_microbatches * p.virtual_stages if engine == "torch" else 1
-    return one * directions * per_direction
+    if engine != "torch":
+        return one * ((stage > 0) + (stage < p.pp - 1))
+    # Every virtual stage this rank holds (global ids stage, stage + pp, …) receives from each neighbour
+    # it has: interleaved ranks hold both kinds (measured: 3 buffers per micro-batch on both ranks of
+    # pp 2, v 2).
+    last = p.pp * p.virtual_stages - 1
+    ids = [stage + k * p.pp for k in range(p.virtual_stages)]
+    return one * t.num_microbatches * sum((g > 0) + (g < last) for g in ids)
 
 
-def cp_kv_allgather(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
+def cp_kv_allgather(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, engine: str = "megatron") -> int:
     """Context parallelism's gathered K and V of one layer (2·s·b·h·k/a/t in the compute dtype): the
     forward's all-gather output in Megatron, their gradients before the reduce-scatter in the runner's
-    (whose forward copies are saved activations). Zero when cp = 1."""
+    (whose forward copies are saved activations), with its boolean causal mask. Zero when cp = 1."""
     if p.cp == 1:
         return 0
     kv_width = m.hidden_size // m.num_heads * m.num_kv_heads
-    return elem_bytes(t.precision) * 2 * t.seq_len * t.micro_batch_size * kv_width // p.tp
+    kv = elem_bytes(t.precision) * 2 * t.seq_len * t.micro_batch_size * kv_width // p.tp
+    # torch: the boolean causal mask (s/c)·s, built once for the step (1 B per element).
+    mask = (t.seq_len // p.cp) * t.seq_len if engine == "torch" else 0
+    return kv + mask
 
 
 def loss(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: str = "megatron") -> int:

@@ -211,7 +211,7 @@ def _activation_terms(
         ("logits", logits),
         ("tp_allgather", buf.tp_allgather(m, p, t)),
         ("pp_p2p", buf.pp_p2p(m, p, t, stage=stage, engine=engine)),
-        ("cp_kv_allgather", buf.cp_kv_allgather(m, p, t)),
+        ("cp_kv_allgather", buf.cp_kv_allgather(m, p, t, engine=engine)),
         ("loss", loss),
     )
     return items, sum(v for _, v in items)
