@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from conftest import model
+from conftest import model, spec
 
-from harness.estimate.params import layer_params, stage_params, total_params
+from harness.estimate import estimate
+from harness.estimate.params import largest_param, layer_params, stage_params, total_params
 
 
 @pytest.mark.parametrize(
@@ -45,3 +46,15 @@ def test_tied_embeddings_counted_once_without_pipeline_and_twice_with():
     assert stage_params(m, stage=0, pp=1) == 1_787_008 - 524_288
     # With pp > 1 the last stage holds its own copy of the shared matrix (Megatron-LM does).
     assert stage_params(m, stage=1, pp=2) == 2 * 184_576 + 128 + 524_288
+
+
+def test_zero1_most_loaded_rank_holds_at_least_the_largest_tensor():
+    # ZeroRedundancyOptimizer shards by whole tensors: over 8 ranks, tiny's 1.79 M parameters would be
+    # 0.22 M each, but one rank holds the embedding (v·h = 524,288) or the head: 8 B of AdamW state each.
+    s = spec("tiny", parallel_dp=8, parallel_zero_stage=1)
+    assert largest_param(s.model, stage=0, pp=1) == 4096 * 128
+    assert estimate(s, engine="torch").worst.terms["optimizer"] == 8 * 4096 * 128
+    # FSDP (ZeRO-2/3) shards every tensor evenly (padded to the group size).
+    s2 = spec("tiny", parallel_dp=8, parallel_zero_stage=2)
+    n = stage_params(s.model, stage=0, pp=1)
+    assert estimate(s2, engine="torch").worst.terms["optimizer"] == 8 * -(-n // 8)

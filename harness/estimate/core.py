@@ -22,7 +22,7 @@ from harness.estimate import buffers as buf
 from harness.estimate import states as st
 from harness.estimate.flops import model_flops_per_step
 from harness.estimate.paper import IGNORED_FIELDS, paper_terms
-from harness.estimate.params import stage_params
+from harness.estimate.params import largest_param, stage_params
 from harness.specs import ModelSpec, ParallelSpec, RunSpec, TrainSpec, canonical, config_id
 
 ENGINES = ("paper", "megatron", "torch")
@@ -146,9 +146,11 @@ def _state_terms(
     n = stage_params(m, stage=stage, pp=pp, tp=tp)
     if engine == "torch" and shards == 1:
         zero = 0  # the runner wraps nothing for one data-parallel rank: every ZeRO stage is plain AdamW
-    states = (st.megatron_states if engine == "megatron" else st.torch_states)(
-        n, zero_stage=zero, shards=shards, precision=precision
-    )
+    if engine == "megatron":
+        states = st.megatron_states(n, zero_stage=zero, shards=shards, precision=precision)
+    else:
+        largest = largest_param(m, stage=stage, pp=pp, tp=tp)
+        states = st.torch_states(n, zero_stage=zero, shards=shards, precision=precision, largest=largest)
     step_grads = 0
     if grads_at_peak == "none":  # made in backward, gone after the step: the step's term only
         states["grads"], step_grads = 0, states["grads"]

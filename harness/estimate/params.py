@@ -49,3 +49,12 @@ def non_layer_params(m: ModelSpec, *, stage: int, pp: int, tp: int = 1) -> int:
 def stage_params(m: ModelSpec, *, stage: int, pp: int, tp: int = 1) -> int:
     """Parameters on one rank of pipeline ``stage`` (its L/pp layers plus its share of the rest)."""
     return m.num_layers // pp * layer_params(m, tp=tp) + non_layer_params(m, stage=stage, pp=pp, tp=tp)
+
+
+def largest_param(m: ModelSpec, *, stage: int, pp: int, tp: int = 1) -> int:
+    """The largest single parameter tensor on one rank of ``stage``: the embedding or head (v·h/t)
+    where the stage holds one, else a SwiGLU projection (h·f/t)."""
+    big = m.hidden_size * m.ffn_hidden_size // tp
+    if stage == 0 or stage == pp - 1:
+        big = max(big, m.hidden_size * m.vocab_size // tp)
+    return big
