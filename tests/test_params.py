@@ -58,3 +58,20 @@ def test_zero1_most_loaded_rank_holds_at_least_the_largest_tensor():
     s2 = spec("tiny", parallel_dp=8, parallel_zero_stage=2)
     n = stage_params(s.model, stage=0, pp=1)
     assert estimate(s2, engine="torch").worst.terms["optimizer"] == 8 * -(-n // 8)
+
+
+def test_torch_pipeline_data_parallel_terms():
+    # Pipeline stages replicate with FSDP2's machinery (``replicate``): the unsharded FP32 weights
+    # stay from forward to backward beside the "sharded" full ones, as ZeRO-2's do.
+    from harness.estimate.params import layer_params, non_layer_params
+
+    s = spec("tiny", parallel_pp=2, parallel_dp=2, train_num_microbatches=2, train_precision="fp32")
+    est = estimate(s, engine="torch")
+    assert est.stages[0].terms["param_copies"] == 4 * stage_params(s.model, stage=0, pp=2)
+    # ZeRO-3: stage 0's peak (a forward after a backward) holds its root and one layer unsharded; the
+    # last stage's peak is at the loss, with every layer and its root resharded.
+    s3 = spec("tiny", parallel_pp=2, parallel_dp=2, parallel_zero_stage=3, train_num_microbatches=2)
+    est3 = estimate(s3, engine="torch")
+    root = non_layer_params(s3.model, stage=0, pp=2)
+    assert est3.stages[0].terms["fsdp_allgather"] == 2 * (layer_params(s3.model) + root)  # BF16
+    assert est3.stages[1].terms["fsdp_allgather"] == 0

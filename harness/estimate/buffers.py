@@ -21,14 +21,17 @@ def fsdp_allgather(
     (embedding, final norm, head) after forward and backward has not yet gathered any of them: 0. The
     head's backward re-gathers the root (plus gloo's staging copy) only after the loss's buffers are
     freed, which exceeds the loss's peak only when s·b < 2h (measured on the CPU study's ``small``
-    model at s·b = 2h = 512: the two peaks equal to the byte). Under pipelining a stage's peak comes in
-    a forward that follows other micro-batches' backward: the current and the prefetched layer and the
-    root, unsharded. megatron (ZeRO-3 in general, prefetching and keeping the root): always these."""
-    if zero_stage < 3 or (pp == 1 and engine == "torch"):
+    model at s·b = 2h = 512: the two peaks equal to the byte). The last pipeline stage's peak is at the
+    loss too: 0. An earlier stage's peak comes in a forward that follows other micro-batches'
+    backward: its root and one layer unsharded (measured on stage 0 of tiny, pp 2, dp 2: the
+    embedding and one layer). megatron (ZeRO-3 in general, prefetching the next layer and keeping the
+    root): the current and the prefetched layer and the root, always."""
+    if zero_stage < 3 or (engine == "torch" and stage == pp - 1):
         return 0
     compute_bytes = 2 if precision == "bf16" else 4
     root = non_layer_params(m, stage=stage, pp=pp, tp=tp)
-    return compute_bytes * (2 * layer_params(m, tp=tp) + root)
+    layers = 1 if engine == "torch" else 2
+    return compute_bytes * (layers * layer_params(m, tp=tp) + root)
 
 
 def grad_reduce(m: ModelSpec, *, tp: int, zero_stage: int, shards: int, engine: str) -> int:

@@ -158,7 +158,12 @@ def _state_terms(
         states["grads"] = (2 if precision == "bf16" else 4) * n
     items = (
         *states.items(),
-        ("param_copies", st.param_copies(n, zero_stage=zero, precision=precision, engine=engine)),
+        (
+            "param_copies",
+            st.param_copies(
+                n, zero_stage=zero, precision=precision, engine=engine, replicate=pp > 1 and shards > 1
+            ),
+        ),
         (
             "fsdp_allgather",
             buf.fsdp_allgather(

@@ -66,18 +66,20 @@ def torch_states(n: int, *, zero_stage: int, shards: int, precision: str, larges
     }
 
 
-def param_copies(n: int, *, zero_stage: int, precision: str, engine: str) -> int:
+def param_copies(n: int, *, zero_stage: int, precision: str, engine: str, replicate: bool = False) -> int:
     """Compute-dtype copies of the whole stage's parameters that live through forward and backward.
 
     torch engine: under BF16 autocast (ZeRO-0/1) every weight's BF16 cast is saved for backward by its
     matmul, so at the start of backward all of them are alive (2 B per parameter); under FSDP2 without
-    resharding after forward (ZeRO-2) the unsharded parameters in the compute dtype stay until backward.
-    Megatron keeps BF16 weights as the state itself and has no such copies.
+    resharding after forward (ZeRO-2), and under ``replicate`` (the runner's data parallelism for
+    pipeline stages: FSDP2's machinery over a group that shards nothing), the unsharded parameters in
+    the compute dtype stay until backward (measured: a pipeline stage with dp 2 held its FP32 weights
+    twice). Megatron keeps BF16 weights as the state itself and has no such copies.
     """
     if engine != "torch":
         return 0
     compute_bytes = 2 if precision == "bf16" else 4
-    if zero_stage == 2:
+    if zero_stage == 2 or (replicate and zero_stage <= 1):
         return compute_bytes * n
     if zero_stage <= 1 and precision == "bf16":
         return 2 * n
