@@ -75,3 +75,28 @@ def test_torch_pipeline_data_parallel_terms():
     root = non_layer_params(s3.model, stage=0, pp=2)
     assert est3.stages[0].terms["fsdp_allgather"] == 2 * (layer_params(s3.model) + root)  # BF16
     assert est3.stages[1].terms["fsdp_allgather"] == 0
+
+
+def test_torch_zero3_root_regather_is_a_peak_when_the_local_batch_is_small():
+    # FSDP2 reshards the root after forward; the head's backward gathers it again once the loss's
+    # buffers are freed. small, cp 2, s 512, b 1, FP32: local s·b = 256. Loss side: logits (the saved
+    # log-softmax, s·b·v·4/c = 8 MiB) + loss (2 × 8 MiB) = 24 MiB. Re-gather: 2 × the root's 4.19 M
+    # parameters · 4 B (32 MiB) + the head output's gradient (8 MiB) = 40 MiB: 16 MiB more.
+    from harness.estimate.params import non_layer_params
+
+    s = spec("small", parallel_cp=2, parallel_zero_stage=3, train_seq_len=512, train_precision="fp32")
+    terms = estimate(s, engine="torch").worst.terms
+    root = non_layer_params(s.model, stage=0, pp=1)
+    mib = 2**20
+    assert terms["logits"] + terms["loss"] == 24 * mib
+    assert terms["fsdp_allgather"] == 2 * 4 * root + 8 * mib - 24 * mib
+    # At b = 4 the loss's buffers are the larger: no re-gather term.
+    s4 = spec(
+        "small",
+        parallel_cp=2,
+        parallel_zero_stage=3,
+        train_seq_len=512,
+        train_micro_batch_size=4,
+        train_precision="fp32",
+    )
+    assert estimate(s4, engine="torch").worst.terms["fsdp_allgather"] == 0

@@ -34,6 +34,19 @@ def fsdp_allgather(
     return compute_bytes * (layers * layer_params(m, tp=tp) + root)
 
 
+def fsdp_root_regather(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int) -> int:
+    """torch, ZeRO-3: what the last stage holds beyond its activations when the head's backward
+    re-gathers the root (FSDP2 resharded it after forward): the all-gather output and the unsharded
+    parameters copied out of it (2 × the root in the compute dtype), beside the gradient of the head's
+    output (s·b·v over its vocabulary shards). :mod:`harness.estimate.core` counts what this adds over
+    the loss's own peak (logits + loss), which it exceeds when the local s·b is small against h —
+    measured: +16.8 MiB on ``small`` with cp 2 (local s·b 256, h 256), the estimate +16.0."""
+    e = elem_bytes(t.precision)
+    root = non_layer_params(m, stage=stage, pp=p.pp, tp=p.tp)
+    grad_out = e * t.seq_len * t.micro_batch_size * m.vocab_size // act.vocab_shards(p, engine="torch")
+    return 2 * e * root + grad_out
+
+
 def grad_reduce(m: ModelSpec, *, tp: int, zero_stage: int, shards: int, engine: str) -> int:
     """ZeRO-2/3 reduce-scatter input: one layer's unsharded gradients in the FP32 reduce dtype.
 

@@ -233,7 +233,14 @@ def _stage(spec: RunSpec, stage: int, engine: str) -> StageEstimate:
     )
     layout = (p.tp, p.pp, p.cp, p.sequence_parallel, p.pp_schedule, p.virtual_stages, p.cp_load_balance)
     a_items, activations = _activation_terms(m, t, stage, engine, layout)
-    return StageEstimate(stage, dict(s_items + a_items), states + max(buffers + activations, step))
+    terms = dict(s_items + a_items)
+    if engine == "torch" and p.zero_stage == 3 and p.dp * p.cp > 1 and stage == p.pp - 1:
+        # The head's backward re-gathers the root after the loss's buffers are freed: a peak of its
+        # own, counted as what it adds over the loss's (buffers.fsdp_root_regather).
+        extra = max(0, buf.fsdp_root_regather(m, p, t, stage=stage) - terms["logits"] - terms["loss"])
+        terms["fsdp_allgather"] += extra
+        buffers += extra
+    return StageEstimate(stage, terms, states + max(buffers + activations, step))
 
 
 def estimate(spec: RunSpec, *, engine: str = "torch") -> Estimate:
