@@ -106,9 +106,9 @@ def utilisation_vs_outcome(ev: Evaluation, out_dir: Path) -> list[Path]:
 
 
 def throughput_unit(frame: pd.DataFrame) -> tuple[float, str]:
-    """(scale, unit) for TFLOP/s per device: GFLOP/s when every value is under 0.1 TFLOP/s (a CPU)."""
+    """(scale, unit) for TFLOP/s per device: GFLOP/s when every value is under 1 TFLOP/s (a CPU)."""
     top = frame["tflops_per_device"].max()
-    return (1e3, "GFLOP/s") if top < 0.1 else (1.0, "TFLOP/s")
+    return (1e3, "GFLOP/s") if top < 1.0 else (1.0, "TFLOP/s")
 
 
 def throughput_heatmap(frame: pd.DataFrame, out_dir: Path) -> list[Path]:

@@ -90,7 +90,7 @@ def memory_section(ev: Evaluation) -> list[str]:
     verdict = (
         "lower than every raw engine's"
         if all(cal["median_ape"] < ev.metrics[k]["median_ape"] for k in ESTIMATORS[:-1])
-        else "NOT lower than every raw engine's"
+        else "not lower than every raw engine's"
     )
     return [
         "## Peak memory: how far each estimator can be trusted",
@@ -115,7 +115,7 @@ def memory_section(ev: Evaluation) -> list[str]:
         ),
         "",
         f"APE = |predicted − measured| / measured. The calibrated held-out median error "
-        f"({_pct(cal['median_ape'])}) is {verdict} (best raw: {best_raw}, {_pct(raw['median_ape'])}).",
+        f"({cal['median_ape']:.2%}) is {verdict} (best raw: {best_raw}, {raw['median_ape']:.2%}).",
         "",
         "Safe threshold: the largest predicted utilisation below which no run ran out of memory — the "
         f'statistic behind the paper\'s rule ("below {PAPER_THRESHOLD:.0%}, no run ran out of memory"), '

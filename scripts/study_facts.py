@@ -1,0 +1,45 @@
+"""Print the CPU study's figures that README.md quotes beyond report.md: total run time, the best
+throughput per rank of the runs using each axis, by model and world size (GFLOP/s), and the runs the
+torch engine under-predicts most.
+Run: python scripts/study_facts.py [results/cpu_study/dataset.parquet]
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pandas as pd
+
+from harness.estimate import estimate
+from harness.report import layout_label
+from harness.specs import from_flat
+
+
+def main() -> None:
+    path = sys.argv[1] if len(sys.argv) > 1 else "results/cpu_study/dataset.parquet"
+    f = pd.read_parquet(path)
+    print(f"{len(f)} rows; run time {f['wall_s'].sum() / 60:.0f} min (sum of wall_s)")
+    print(f"memory_method: {f['memory_method'].value_counts().to_dict()}")
+    ok = f[f["status"] == "ok"]
+    print("model  ranks  best GFLOP/s per rank: dp only | using tp | using pp | using cp")
+    for (model, world), g in ok.groupby(["model_name", "parallel_world_size"]):
+        dp_only = g[(g["parallel_tp"] == 1) & (g["parallel_pp"] == 1) & (g["parallel_cp"] == 1)]
+        best = [
+            frame["tflops_per_device"].max() * 1e3
+            for frame in (dp_only, g[g["parallel_tp"] > 1], g[g["parallel_pp"] > 1], g[g["parallel_cp"] > 1])
+        ]
+        print(f"{model:<6} {int(world):>5}  " + " | ".join(f"{b:8.1f}" for b in best))
+    runs = f[f["status"].isin(["ok", "oom"])]
+    rows = []
+    for _, row in runs.iterrows():
+        spec = from_flat(row.to_dict())
+        predicted = estimate(spec, engine="torch").total_bytes
+        measured = row["peak_allocated_bytes"]
+        rows.append(((predicted - measured) / measured, measured, row))
+    print("most under-predicted by the torch engine: error, measured MiB, model, layout")
+    for err, measured, row in sorted(rows, key=lambda r: r[0])[:6]:
+        print(f"{err:+7.1%} {measured / 2**20:8.1f}  {row['model_name']:<6} {layout_label(row)}")
+
+
+if __name__ == "__main__":
+    main()
