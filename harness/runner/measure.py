@@ -1,8 +1,14 @@
 """Peak memory per rank, measured the same way every time, and labelled with the method.
 
 CUDA: the caching allocator's own statistics (peak allocated, active, reserved bytes, retries, OOMs) and
-the device's used memory. CPU has no allocator statistics: PyTorch's MemTracker tracks live tensors by
-category (and FSDP2's storage resizes) at ~7 % run-time overhead.
+the device's used memory. CPU has no allocator statistics to read, so (``memory_method=cpu_allocator``)
+the peak is the c10 CPU allocator's running total over the step, as ``torch.profiler`` records it with
+``profile_memory=True``, plus every tensor storage alive when the step starts (found through the
+garbage collector: storage that only C++ objects hold at that moment would be missed). PyTorch's
+MemTracker runs beside it for the categories (parameters, gradients, optimizer state, activations,
+temporaries); its own peak (``tracker_peak_bytes``) misses what C++ allocates, such as DDP's bucket
+rebuild, and the difference is reported as ``untracked``. Both slow a step 4-7x, so the runner
+measures memory on a step of its own. A dry run (fake tensors, nothing allocated) uses MemTracker only.
 """
 
 from __future__ import annotations
@@ -159,9 +165,9 @@ class PeakMemory:
         tracker = _tracker_class()()
         tracker.track_external(*self.modules, *_optimizers(self.optimizer))
         # Then every other storage already alive: MemTracker counts only what it sees created or is
-        # given, and a wrapper's long-lived buffers (DDP's gradient buckets, which the gradients are
-        # views of) would be missing from its peak. They start as "other"; a bucket turns "grads" when
-        # backward hands out its views.
+        # given, and what earlier steps left (pipeline receive buffers, DDP's gradient buckets, which
+        # the gradients are views of) would be missing from its peak. They start as "other"; a bucket
+        # turns "grads" when backward hands out its views.
         tracker.track_external(*_untracked_live_tensors(tracker, self.device))
         baseline = int(tracker.get_tracker_snapshot().get(self.device, {}).get("Total", 0))
         self.tracker = tracker
