@@ -73,7 +73,8 @@ def test_torch_pipeline_data_parallel_terms():
     s3 = spec("tiny", parallel_pp=2, parallel_dp=2, parallel_zero_stage=3, train_num_microbatches=2)
     est3 = estimate(s3, engine="torch")
     root = non_layer_params(s3.model, stage=0, pp=2)
-    assert est3.stages[0].terms["fsdp_allgather"] == 2 * (layer_params(s3.model) + root)  # BF16
+    # Twice: FSDP2's all-gather output and the parameters copied out of it (BF16, 2 B).
+    assert est3.stages[0].terms["fsdp_allgather"] == 2 * 2 * (layer_params(s3.model) + root)
     assert est3.stages[1].terms["fsdp_allgather"] == 0
 
 

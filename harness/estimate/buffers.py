@@ -19,19 +19,20 @@ def fsdp_allgather(
 
     Without pipelining the peak is at the loss, when FSDP2 has resharded every layer and the root
     (embedding, final norm, head) after forward and backward has not yet gathered any of them: 0. The
-    head's backward re-gathers the root (plus gloo's staging copy) only after the loss's buffers are
-    freed, which exceeds the loss's peak only when s·b < 2h (measured on the CPU study's ``small``
-    model at s·b = 2h = 512: the two peaks equal to the byte). The last pipeline stage's peak is at the
-    loss too: 0. An earlier stage's peak comes in a forward that follows other micro-batches'
-    backward: its root and one layer unsharded (measured on stage 0 of tiny, pp 2, dp 2: the
-    embedding and one layer). megatron (ZeRO-3 in general, prefetching the next layer and keeping the
-    root): the current and the prefetched layer and the root, always."""
+    head's backward re-gathers the root only after the loss's buffers are freed
+    (:func:`fsdp_root_regather`, added by :mod:`harness.estimate.core` where it is the larger). The
+    last pipeline stage's peak is at the loss too: 0. An earlier stage's peak comes in a forward that
+    follows other micro-batches' backward: its root and one layer unsharded, twice (the all-gather
+    output and the parameters copied out of it; measured on stage 0 of small, pp 4, cp 2: 10.77 MiB
+    of each). megatron (ZeRO-3 in general, prefetching the next layer and keeping the root): the
+    current and the prefetched layer and the root, always."""
     if zero_stage < 3 or (engine == "torch" and stage == pp - 1):
         return 0
     compute_bytes = 2 if precision == "bf16" else 4
     root = non_layer_params(m, stage=stage, pp=pp, tp=tp)
-    layers = 1 if engine == "torch" else 2
-    return compute_bytes * (layers * layer_params(m, tp=tp) + root)
+    if engine == "torch":
+        return 2 * compute_bytes * (layer_params(m, tp=tp) + root)
+    return compute_bytes * (2 * layer_params(m, tp=tp) + root)
 
 
 def fsdp_root_regather(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int) -> int:
