@@ -10,9 +10,8 @@ import sys
 
 import pandas as pd
 
-from harness.estimate import estimate
+from harness.calibrate import prepare
 from harness.report import layout_label
-from harness.specs import from_flat
 
 
 def main() -> None:
@@ -29,16 +28,13 @@ def main() -> None:
             for frame in (dp_only, g[g["parallel_tp"] > 1], g[g["parallel_pp"] > 1], g[g["parallel_cp"] > 1])
         ]
         print(f"{model:<6} {int(world):>5}  " + " | ".join(f"{b:8.1f}" for b in best))
-    runs = f[f["status"].isin(["ok", "oom"])]
-    rows = []
-    for _, row in runs.iterrows():
-        spec = from_flat(row.to_dict())
-        predicted = estimate(spec, engine="torch").total_bytes
-        measured = row["peak_allocated_bytes"]
-        rows.append(((predicted - measured) / measured, measured, row))
+    data = prepare(f)  # the runs with a known outcome and every engine's estimate of them
+    measured = data.frame["peak_allocated_bytes"].to_numpy(dtype=float)
+    error = (data.raw_bytes["torch"] - measured) / measured
     print("most under-predicted by the torch engine: error, measured MiB, model, layout")
-    for err, measured, row in sorted(rows, key=lambda r: r[0])[:6]:
-        print(f"{err:+7.1%} {measured / 2**20:8.1f}  {row['model_name']:<6} {layout_label(row)}")
+    for i in error.argsort()[:6]:
+        row = data.frame.iloc[i]
+        print(f"{error[i]:+7.1%} {measured[i] / 2**20:8.1f}  {row['model_name']:<6} {layout_label(row)}")
 
 
 if __name__ == "__main__":

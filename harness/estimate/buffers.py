@@ -28,11 +28,11 @@ def fsdp_allgather(
     current and the prefetched layer and the root, always."""
     if zero_stage < 3 or (engine == "torch" and stage == pp - 1):
         return 0
-    compute_bytes = 2 if precision == "bf16" else 4
+    e = elem_bytes(precision)
     root = non_layer_params(m, stage=stage, pp=pp, tp=tp)
     if engine == "torch":
-        return 2 * compute_bytes * (layer_params(m, tp=tp) + root)
-    return compute_bytes * (2 * layer_params(m, tp=tp) + root)
+        return 2 * e * (layer_params(m, tp=tp) + root)
+    return e * (2 * layer_params(m, tp=tp) + root)
 
 
 def fsdp_root_regather(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int) -> int:
@@ -134,10 +134,10 @@ def cp_kv_allgather(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, engine: str 
 
 def loss(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: str = "megatron") -> int:
     """The cross-entropy's FP32 logits (upcast or softmax) and their FP32 gradient on the last stage:
-    2 × 4·s·b·v/(t·c) — often the single largest temporary (torch's loss_parallel under tp: 3 ×). torch
-    under pipelining: the schedule
-    computes each micro-batch's loss in its forward, so every in-flight micro-batch keeps its FP32
-    softmax (GPipe: all m) plus one gradient, over the gathered vocabulary."""
+    2 × 4·s·b·v/(t·c) — often the single largest temporary (torch's loss_parallel under tp: 3 ×).
+    torch under pipelining: the schedule computes each micro-batch's loss in its forward, so every
+    in-flight micro-batch keeps its FP32 softmax (GPipe: all m) plus one gradient, over the gathered
+    vocabulary."""
     if stage != p.pp - 1:
         return 0
     sbv4 = 4 * t.seq_len * t.micro_batch_size * m.vocab_size

@@ -155,7 +155,7 @@ def _state_terms(
     if grads_at_peak == "none":  # made in backward, gone after the step: the step's term only
         states["grads"], step_grads = 0, states["grads"]
     elif grads_at_peak == "accumulated" and zero >= 2:  # FSDP2 accumulates them unsharded
-        states["grads"] = (2 if precision == "bf16" else 4) * n
+        states["grads"] = act.elem_bytes(precision) * n
     items = (
         *states.items(),
         (

@@ -9,7 +9,7 @@ pads the first dimension to a multiple of the group size.
 
 from __future__ import annotations
 
-from harness.estimate.activations import inflight_chunks
+from harness.estimate.activations import elem_bytes, inflight_chunks
 from harness.specs import ParallelSpec, TrainSpec
 
 
@@ -60,7 +60,7 @@ def torch_states(n: int, *, zero_stage: int, shards: int, precision: str, larges
     return {
         "params": _shard(4 * n, shards) if fsdp else 4 * n,
         "grads": _shard(4 * n, shards) if fsdp else 4 * n,
-        "optimizer": 8 * max(-(-n // shards), largest if zero_stage == 1 else 0)
+        "optimizer": 8 * max(_shard(n, shards), largest if zero_stage == 1 else 0)
         if zero_stage >= 1
         else 8 * n,
     }
@@ -78,9 +78,8 @@ def param_copies(n: int, *, zero_stage: int, precision: str, engine: str, replic
     """
     if engine != "torch":
         return 0
-    compute_bytes = 2 if precision == "bf16" else 4
     if zero_stage == 2 or (replicate and zero_stage <= 1):
-        return compute_bytes * n
+        return elem_bytes(precision) * n
     if zero_stage <= 1 and precision == "bf16":
         return 2 * n
     return 0

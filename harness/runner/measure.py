@@ -182,17 +182,19 @@ class PeakMemory:
             if name != "total":
                 categories[name] = categories.get(name, 0) + int(value)
         tracked = int(peak.get("Total", sum(categories.values())))
-        self._result = {"memory_method": "mem_tracker", "peak_allocated_bytes": tracked}
-        if self.allocator:
+        if not self.allocator:
+            self._result = {"memory_method": "mem_tracker", "peak_allocated_bytes": tracked}
+        else:
             # The allocator's count is the peak; MemTracker's categories say what it was made of. They
             # differ where C++ code allocates out of the tracker's sight: DDP's reducer rebuilds its
             # gradient buckets in the second step's forward while the first ones are still alive.
+            total = baseline + allocator.peak_bytes
+            categories["untracked"] = max(0, total - tracked)
             self._result = {
                 "memory_method": "cpu_allocator",
-                "peak_allocated_bytes": baseline + allocator.peak_bytes,
+                "peak_allocated_bytes": total,
                 "tracker_peak_bytes": tracked,
             }
-            categories["untracked"] = max(0, self._result["peak_allocated_bytes"] - tracked)
         self._result["categories"] = categories
 
     def result(self) -> dict[str, Any]:
