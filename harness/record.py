@@ -59,6 +59,7 @@ def environment(device_name: str | None = None) -> dict[str, Any]:
         "env_device_name": device_name,
         "env_cpu_count": os.cpu_count(),
         "env_slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "env_slurm_nodelist": os.environ.get("SLURM_JOB_NODELIST"),
     }
 
 
@@ -99,11 +100,15 @@ def finish_record(
     exit_code: int | None,
     wall_s: float,
     device_name: str,
+    launch_tasks: int = 1,
+    launch_hosts: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Assemble the record of a launched point from every rank's numbers."""
+    """Assemble the record of a launched point from every rank's numbers. ``launch_tasks``: how many
+    supervisors (one per node on a cluster) forked the ranks; ``launch_hosts``: the nodes that reported."""
     spec = canonical(spec)
     row = {**base_record(spec), **environment(device_name)}
     row.update(status=status, error=error, error_rank=error_rank, exit_code=exit_code, wall_s=wall_s)
+    row.update(launch_tasks=launch_tasks, launch_hosts=launch_hosts)
     done = [r for r in ranks if "peak_allocated_bytes" in r]
     row["per_rank_peak_bytes"] = [
         r.get("peak_allocated_bytes") for r in sorted(ranks, key=lambda r: r["rank"])

@@ -90,6 +90,17 @@ def triage(
     return launch, summary
 
 
+def nodes_for(cfg: dict[str, Any]) -> int | None:
+    """How many nodes the point's job asks for: ``ceil(world / sweep.ranks_per_node)``; None when the
+    study does not set ``ranks_per_node`` (the launcher's own ``nodes`` then holds for every point)."""
+    per_node = cfg.get("sweep", {}).get("ranks_per_node")
+    if not per_node:
+        return None
+    if int(per_node) < 1:
+        raise SystemExit(f"harness sweep: error: sweep.ranks_per_node={per_node}: must be >= 1 (or null)")
+    return -(-canonical(spec_of(cfg)).parallel.world // int(per_node))
+
+
 def _tag(row: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
     row["sweep_name"] = cfg.get("sweep", {}).get("name")
     return row
@@ -103,12 +114,35 @@ def _raise_slurm_signal(signum, frame):
     raise SlurmSignal(f"Slurm sent {signal.Signals(signum).name}: the job's time limit (or a preemption)")
 
 
+def slurm_task(results_dir: str, cid: str):
+    """Under a Slurm job of several tasks (a point wider than one node: ``nodes`` > 1, or
+    ``tasks_per_node`` > 1), this task's place among them; None otherwise. Each task forks its block
+    of the point's ranks; they meet at the job's first host on a port drawn from the job id (submitit's
+    own helper, the one its docs give for torch.distributed) and share a directory under
+    ``results_dir`` (which a cluster's nodes all see: the rows go there too)."""
+    if int(os.environ.get("SLURM_NTASKS", "1") or 1) <= 1 or not os.environ.get("SLURM_JOB_ID"):
+        return None
+    from submitit.helpers import TorchDistributedEnvironment
+
+    from harness.runner.supervisor import Task
+
+    env = TorchDistributedEnvironment()
+    return Task(
+        index=env.rank,
+        count=env.world_size,
+        master_addr=env.master_addr,
+        port=env.master_port,
+        shared_dir=Path(results_dir) / ".points" / f"{cid}-{os.environ['SLURM_JOB_ID']}",
+    )
+
+
 def run_job(cfg: dict[str, Any]) -> str:
     """One sweep point: run it and write exactly one row, whatever happens (never raises).
 
     Under Slurm, USR2 (sent ``signal_delay_s`` before the time limit) and TERM interrupt the point:
     its ranks are reaped and its row says ``timeout`` with the reason. (Left to submitit's own handler,
-    the signal would surface as an unrelated requeue error.)
+    the signal would surface as an unrelated requeue error.) In a job of several tasks every task runs
+    its ranks and task 0 alone writes the row.
     """
     results_dir = cfg["results_dir"]
     cid = point_id(cfg)
@@ -118,10 +152,12 @@ def run_job(cfg: dict[str, Any]) -> str:
     previous = {}
     if os.environ.get("SLURM_JOB_ID"):
         previous = {s: signal.signal(s, _raise_slurm_signal) for s in (signal.SIGUSR2, signal.SIGTERM)}
+    task = None
     try:
+        task = slurm_task(results_dir, cid)
         from harness.runner.supervisor import run_point
 
-        row = run_point(spec_of(cfg), timeout_s=float(cfg["run"]["timeout_s"]))
+        row = run_point(spec_of(cfg), timeout_s=float(cfg["run"]["timeout_s"]), task=task)
     except Exception as exc:  # the supervisor failed or was interrupted: still one row
         row = invalid_record(spec_of(cfg), "")
         timeout = isinstance(exc, SlurmSignal)
@@ -134,6 +170,8 @@ def run_job(cfg: dict[str, Any]) -> str:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if task is not None and task.index > 0:  # task 0 writes the point's row
+        return f"task {task.index} of {task.count}: {row['status'] if row else 'ranks done'}"
     row["config_id"] = cid
     row["finished_at"] = time.time()  # Unix time; gaps between points measure the sweep's overhead
     write_record(_tag(row, cfg), results_dir)

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# A single-node Slurm cluster on localhost for tests: munge, slurmctld, slurmd; no systemd, no cgroups,
-# no accounting (a small squeue-backed `sacct` stands in, since submitit polls sacct for job states).
+# A Slurm cluster on localhost for tests: munge, slurmctld and one slurmd per node; no systemd, no
+# cgroups, no accounting (a small squeue-backed `sacct` stands in, since submitit polls sacct for job
+# states). It declares two nodes, harness-n1 and harness-n2, both this machine (each slurmd on its own
+# port), so that a job of two nodes is a real multi-node Slurm job: srun starts one task per node, with
+# that node's SLURM_NODEID and the job's two-host SLURM_JOB_NODELIST.
 # Needs root and Debian's packages (installed if missing). Facts behind each setting:
 # ../shared/research/slurm-local.md.
 #
@@ -8,13 +11,15 @@
 #   bash scripts/slurm_local.sh stop
 #
 # Knobs: SLURM_LOCAL_DIR (state, logs; default /var/lib/harness-slurm), SLURM_LOCAL_CPUS (CPUs
-# advertised, above the real count so 8-rank jobs fit; default 16).
+# advertised per node, above the real count so 8-rank jobs fit; default 16), SLURM_LOCAL_NODES (default 2).
 set -euo pipefail
 
 DIR=${SLURM_LOCAL_DIR:-/var/lib/harness-slurm}
 CONF=/etc/slurm/slurm.conf
 NODE=$(hostname -s 2>/dev/null || uname -n)
 CPUS=${SLURM_LOCAL_CPUS:-16}
+NODES=${SLURM_LOCAL_NODES:-2}
+NAMES=$(seq -f "harness-n%g" 1 "$NODES" | paste -sd, -)
 MARK="# managed by harness scripts/slurm_local.sh"
 SHIM=/usr/local/bin/sacct
 
@@ -45,6 +50,9 @@ start() {
   fi
   # torch.distributed's MASTER_ADDR under Slurm is the node's name: it must resolve.
   getent hosts "$NODE" >/dev/null || echo "127.0.0.1 $NODE $MARK" >> /etc/hosts
+  for name in ${NAMES//,/ }; do  # the job's first node is MASTER_ADDR of a multi-node point
+    getent hosts "$name" >/dev/null || echo "127.0.0.1 $name $MARK" >> /etc/hosts
+  done
   mkdir -p "$(dirname "$CONF")"
   cat > "$CONF" <<CONF
 $MARK
@@ -66,19 +74,22 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 StateSaveLocation=$DIR/ctld
-SlurmdSpoolDir=$DIR/d
+SlurmdSpoolDir=$DIR/d/%n
 SlurmctldPidFile=$DIR/run/slurmctld.pid
-SlurmdPidFile=$DIR/run/slurmd.pid
+SlurmdPidFile=$DIR/run/slurmd-%n.pid
 SlurmctldLogFile=$DIR/log/slurmctld.log
-SlurmdLogFile=$DIR/log/slurmd.log
+SlurmdLogFile=$DIR/log/slurmd-%n.log
 ReturnToService=2
 SlurmdParameters=config_overrides
 EnforcePartLimits=ALL
 KillWait=5
 MinJobAge=3600
 InactiveLimit=0
-NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$(awk '/^MemTotal:/ {print int($2/1024)}' /proc/meminfo) State=UNKNOWN
-PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE OverSubscribe=NO State=UP
+$(for i in $(seq 1 "$NODES"); do
+  # Several slurmd on one host: each its own port; NodeHostname is the real host, so slurmd -N finds it.
+  echo "NodeName=harness-n$i NodeHostname=$NODE NodeAddr=127.0.0.1 Port=$((17000 + i)) CPUs=$CPUS RealMemory=$(awk '/^MemTotal:/ {print int($2/1024)}' /proc/meminfo) State=UNKNOWN"
+done)
+PartitionName=debug Nodes=$NAMES Default=YES MaxTime=INFINITE OverSubscribe=NO State=UP
 CONF
   if [ ! -e "$SHIM" ] || grep -qF "$MARK" "$SHIM"; then
     cat > "$SHIM" <<'SHIM'
@@ -109,20 +120,28 @@ SHIM
     chmod 0755 "$SHIM"
   fi
   running "$DIR/run/slurmctld.pid" || slurmctld -f "$CONF"
-  running "$DIR/run/slurmd.pid" || slurmd -f "$CONF" -N "$NODE"
+  for name in ${NAMES//,/ }; do
+    mkdir -p "$DIR/d/$name"
+    running "$DIR/run/slurmd-$name.pid" || slurmd -f "$CONF" -N "$name"
+  done
   for _ in $(seq 600); do
-    sinfo -h -o %t 2>/dev/null | grep -qx idle && { log "up: $(sinfo -h -o '%P %t %D %N')"; return 0; }
+    [ "$(sinfo -h -N -o %t 2>/dev/null | grep -cx idle)" = "$NODES" ] && {
+      log "up: $(sinfo -h -o '%P %t %D %N')"
+      return 0
+    }
     sleep 0.1
   done
   log "the node did not become idle; logs in $DIR/log"; exit 1
 }
 
 stop() {
-  for d in slurmd slurmctld; do
-    running "$DIR/run/$d.pid" && kill "$(cat "$DIR/run/$d.pid")" || true
+  for pid in "$DIR"/run/slurmd-*.pid "$DIR/run/slurmctld.pid"; do
+    running "$pid" && kill "$(cat "$pid")" || true
   done
   for _ in $(seq 100); do
-    running "$DIR/run/slurmd.pid" || running "$DIR/run/slurmctld.pid" || break
+    up=0
+    for pid in "$DIR"/run/slurmd-*.pid "$DIR/run/slurmctld.pid"; do running "$pid" && up=1; done
+    [ "$up" = 0 ] && break
     sleep 0.1
   done
   log "stopped"

@@ -64,3 +64,28 @@ def test_points_run_as_slurm_jobs_and_a_time_limit_kill_is_a_row(tmp_path):
     # Resume: every point has its row, nothing runs again.
     again = sweep(tmp_path, "parallel.dp=1,2", "train.steps=2,100000", "run.timeout_s=600")
     assert "4 points: 4 already done" in again.stdout
+
+
+def test_a_point_wider_than_a_node_runs_on_two_nodes(tmp_path):
+    # With two ranks per node, the 4-rank point is a two-node Slurm job (the local cluster's two
+    # slurmd, harness-n1 and -n2): one task per node forks its two ranks, they meet at the first node,
+    # and task 0 writes the row. The 2-rank point stays on one node.
+    from conftest import spec
+
+    from harness.runner.supervisor import run_point
+
+    r = sweep(tmp_path, "parallel.dp=2,4", "train.steps=2", "sweep.ranks_per_node=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    frame, bad = load_results(tmp_path)
+    assert bad == [] and len(frame) == 2 and set(frame["status"]) == {"ok"}, frame[["status", "error"]]
+    wide = frame[frame["parallel_dp"] == 4].iloc[0]
+    narrow = frame[frame["parallel_dp"] == 2].iloc[0]
+    assert wide["launch_tasks"] == 2 and list(wide["launch_hosts"]) == ["harness-n1", "harness-n2"]
+    assert wide["env_slurm_nodelist"] == "harness-n[1-2]"
+    assert narrow["launch_tasks"] == 1 and "," not in narrow["env_slurm_nodelist"]
+    # The same point forked on this machine alone: the same losses (fp32, same ranks, same data).
+    same = {k: wide[k].item() for k in ("train_steps", "train_seq_len", "train_micro_batch_size")}
+    local = run_point(spec("tiny", parallel_dp=4, train_precision="fp32", **same), timeout_s=120)
+    assert local["status"] == "ok"
+    assert list(wide["losses"]) == pytest.approx(local["losses"], rel=1e-6)
+    assert not (tmp_path / ".points").exists() or not any((tmp_path / ".points").iterdir())

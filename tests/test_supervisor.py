@@ -14,7 +14,7 @@ from conftest import spec
 
 from harness.record import STATUSES
 from harness.runner import worker
-from harness.runner.supervisor import Terminated
+from harness.runner.supervisor import Task, Terminated, free_port
 from harness.runner.supervisor import run_point as _run_point
 
 FAST = dict(train_precision="fp32", train_seq_len=32, train_steps=2)
@@ -195,3 +195,73 @@ def test_straggler_killed_after_a_failure_is_not_blamed(monkeypatch, no_leftover
     r = run_point(spec("tiny", parallel_dp=2, **FAST), timeout_s=60)
     assert r["status"] == "crash"
     assert r["error_rank"] == 1 and r["error"] == "RuntimeError: injected on rank 1"
+
+
+# A point wider than a node: its ranks spread over tasks (one per node under Slurm) that meet at task 0's
+# address and share a directory. Here both tasks are processes of this machine; tests/test_slurm.py runs
+# them as the tasks of a real two-node Slurm job.
+MULTI = dict(parallel_dp=2, parallel_tp=2, **FAST)
+
+
+def _other_task(index: int, count: int, port: int, shared: Path, timeout_s: float):
+    import multiprocessing
+
+    task = Task(index=index, count=count, port=port, shared_dir=shared)
+    proc = multiprocessing.get_context("fork").Process(
+        target=_run_point, args=(spec("tiny", **MULTI),), kwargs={"timeout_s": timeout_s, "task": task}
+    )
+    proc.start()
+    return proc
+
+
+def test_a_point_spread_over_two_tasks_is_the_same_run(tmp_path, no_leftovers):
+    alone = run_point(spec("tiny", **MULTI), timeout_s=60)
+    port, shared = free_port(), tmp_path / "point"
+    other = _other_task(1, 2, port, shared, 60)
+    r = run_point(spec("tiny", **MULTI), timeout_s=60, task=Task(0, 2, port=port, shared_dir=shared))
+    other.join(30)
+    assert other.exitcode == 0
+    assert r["status"] == "ok" and alone["status"] == "ok"
+    assert r["launch_tasks"] == 2 and alone["launch_tasks"] == 1 and len(r["launch_hosts"]) == 2
+    # Same ranks, same data, same reduction order: the same losses (fp32).
+    assert r["losses"] == pytest.approx(alone["losses"], rel=1e-6)
+    assert len(r["per_rank_peak_bytes"]) == 4 and None not in r["per_rank_peak_bytes"]
+    assert not shared.exists()  # every task reported: the shared directory is removed
+
+
+def test_a_failure_on_another_task_is_blamed_on_its_rank(monkeypatch, tmp_path, no_leftovers):
+    import harness.runner.supervisor as supervisor
+
+    monkeypatch.setattr(supervisor, "GRACE_S", 3.0)
+    real = worker.train_step
+
+    def step(par, tokens, targets, **kw):
+        import torch.distributed as dist
+
+        if dist.get_rank() == 3:  # on task 1
+            raise RuntimeError("injected on rank 3")
+        return real(par, tokens, targets, **kw)
+
+    monkeypatch.setattr(worker, "train_step", step)
+    port, shared = free_port(), tmp_path / "point"
+    other = _other_task(1, 2, port, shared, 60)
+    start = time.monotonic()
+    r = run_point(spec("tiny", **MULTI), timeout_s=60, task=Task(0, 2, port=port, shared_dir=shared))
+    other.join(30)
+    assert r["status"] == "crash"
+    assert r["error_rank"] == 3 and r["error"] == "RuntimeError: injected on rank 3"
+    assert time.monotonic() - start < 50  # ended by the failure, not by the timeout
+
+
+def test_a_task_that_never_reports_is_a_crash_row(monkeypatch, tmp_path, no_leftovers):
+    # Task 1 (a lost node) never starts: task 0's ranks wait for it in the rendezvous until the
+    # timeout, and the record names the ranks that never reported, not task 0's broken collectives.
+    import harness.runner.supervisor as supervisor
+
+    monkeypatch.setattr(supervisor, "GRACE_S", 1.0)
+    monkeypatch.setattr(supervisor, "PEER_MARGIN_S", 0.0)
+    shared = tmp_path / "point"
+    r = run_point(spec("tiny", **MULTI), timeout_s=12, task=Task(0, 2, port=free_port(), shared_dir=shared))
+    assert r["status"] == "crash" and r["error_rank"] == 2
+    assert r["error"].startswith("ranks 2-3 never reported") and "1 of 2 tasks reported" in r["error"]
+    assert (shared / "task0.json").exists()  # kept for the logs of what did run

@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,8 @@ from harness.record import finish_record, invalid_record
 from harness.specs import InvalidSpec, RunSpec, canonical
 
 POLL_S = 0.05
+PEER_POLL_S = 0.5  # how often a task of a multi-task point looks at the shared directory
+PEER_MARGIN_S = 30.0  # how much later than task 0's deadline another task may report (start skew)
 GRACE_S = 10.0  # after one rank fails, how long the others get to fail on their own and report
 
 
@@ -34,6 +38,13 @@ class Terminated(BaseException):
 
 def _raise_terminated(signum, frame):
     raise Terminated("SIGTERM")
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Atomic: a reader (another rank, another node's task) sees the whole file or none."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
 
 
 def free_port() -> int:
@@ -98,112 +109,239 @@ def _culprit(failed: list[tuple[int, int, dict]]) -> tuple[int, int, dict]:
     return failed[0]
 
 
+@dataclass(frozen=True)
+class Task:
+    """Where this supervisor sits among the tasks a point's ranks are spread over.
+
+    The default is the one local task that forks every rank. A point wider than a node runs as
+    ``count`` tasks (one per node under Slurm, started by ``srun``), each forking its own contiguous
+    block of ranks; the tasks meet at ``master_addr:port`` (rank 0's TCPStore) and share
+    ``shared_dir``, where every rank writes its numbers and every task its outcome, so that task 0
+    can write the point's one record. torch's elastic launcher would start the ranks too, but the
+    forked worker is what the local path measures (half the start-up of a ``torchrun`` per point,
+    ../shared/research), and one code path for one node and many keeps the numbers comparable.
+    """
+
+    index: int = 0
+    count: int = 1
+    master_addr: str = "127.0.0.1"
+    port: int | None = None  # None: a free port of this machine (one task only)
+    shared_dir: Path | None = None  # required when count > 1: a directory every task can reach
+    host: str = field(default_factory=lambda: os.environ.get("SLURMD_NODENAME") or socket.gethostname())
+
+    def ranks(self, world: int) -> range:
+        """This task's contiguous block of global ranks (tensor-parallel groups, the innermost mesh
+        dimension, stay inside a block when its size is a multiple of tp)."""
+        per = -(-world // self.count)
+        return range(min(world, self.index * per), min(world, (self.index + 1) * per))
+
+
+def _task_file(out_dir: Path, index: int) -> Path:
+    return out_dir / f"task{index}.json"
+
+
+def _failure_marker(out_dir: Path, index: int) -> Path:
+    return out_dir / f"task{index}.failed"
+
+
 def run_point(
     spec: RunSpec,
     *,
     timeout_s: float = 300.0,
     rank_fn=None,
     keep_dir: Path | None = None,
-) -> dict[str, Any]:
-    """Run ``spec`` once and return its record. ``rank_fn(rank, spec, port=, out_dir=, timeout_s=)`` is the
-    per-rank entry point (the real worker by default; tests inject failures through it)."""
+    task: Task | None = None,
+) -> dict[str, Any] | None:
+    """Run ``spec`` once and return its record. ``rank_fn(rank, spec, port=, out_dir=, timeout_s=,
+    master_addr=, local_rank=, local_world=)`` is the per-rank entry point (the real worker by default;
+    tests inject failures through it).
+
+    With ``task`` (one of several tasks of a point wider than a node) this process runs its block of
+    ranks; task 0 waits for the others' outcomes and returns the record, the others return None.
+    """
+    task = task or Task()
+    if task.count > 1 and task.shared_dir is None:
+        raise ValueError("a point spread over several tasks needs a shared_dir that every task reaches")
     try:
         spec = canonical(spec)
     except InvalidSpec as exc:
-        return invalid_record(spec, str(exc))
+        return invalid_record(spec, str(exc)) if task.index == 0 else None
     problems = runner_problems(spec)
     if problems:
-        return invalid_record(spec, "; ".join(problems))
+        return invalid_record(spec, "; ".join(problems)) if task.index == 0 else None
     if rank_fn is None:
         from harness.runner.worker import run_rank as rank_fn
 
     world = spec.parallel.world
+    mine = task.ranks(world)
     with tempfile.TemporaryDirectory(prefix="harness-point-") as tmp:
-        out_dir = keep_dir or Path(tmp)
+        out_dir = task.shared_dir or keep_dir or Path(tmp)
         out_dir.mkdir(parents=True, exist_ok=True)
-        ctx = multiprocessing.get_context("fork")
-        port = free_port()
-        # The process group's own timeout fires a little before ours, so that a stuck collective is
-        # reported by the rank itself when it can be.
-        pg_timeout = max(5.0, timeout_s - 5.0)
-        procs = [
-            ctx.Process(
-                target=rank_fn,
-                args=(r, spec),
-                kwargs={"port": port, "out_dir": out_dir, "timeout_s": pg_timeout},
-                daemon=True,
-            )
-            for r in range(world)
-        ]
-        start = time.monotonic()
-        deadline, first_failure, timed_out = start + timeout_s, None, False
-        killed_here: set[int] = set()
-        # With the default SIGTERM action this process would die at once and leave its ranks running
-        # (seen: a killed sweep's 8 ranks outlived it). A handler someone installed (under Slurm,
-        # harness.sweep.run_job's) is left in place: it raises too.
-        previous = None
-        main = threading.current_thread() is threading.main_thread()
-        if main and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-            previous = signal.signal(signal.SIGTERM, _raise_terminated)
-        try:
-            for proc in procs:
-                proc.start()
-            while True:
-                codes = [proc.exitcode for proc in procs]
-                if all(c is not None for c in codes):
-                    break
-                now = time.monotonic()
-                if first_failure is None and any(c not in (None, 0) for c in codes):
+        outcome = _run_ranks(spec, mine, task, rank_fn, out_dir, timeout_s)
+        if task.count > 1:
+            write_json(_task_file(out_dir, task.index), outcome)
+        if task.index > 0:
+            return None
+        deadline = outcome["started"] + timeout_s + GRACE_S + PEER_MARGIN_S
+        outcomes = [outcome, *_peer_outcomes(task, out_dir, deadline=deadline)]
+        record = _record(spec, out_dir, outcomes, timeout_s, count=task.count)
+        if task.count > 1 and len(outcomes) == task.count and keep_dir is None:
+            shutil.rmtree(out_dir, ignore_errors=True)  # kept when a task never reported: its logs
+        return record
+
+
+def _run_ranks(spec: RunSpec, mine: range, task: Task, rank_fn, out_dir: Path, timeout_s: float) -> dict:
+    """Fork this task's ranks, wait for them within the timeout, reap them all; their exit codes."""
+    ctx = multiprocessing.get_context("fork")
+    port = task.port or free_port()
+    # The process group's own timeout fires a little before ours, so that a stuck collective is
+    # reported by the rank itself when it can be.
+    pg_timeout = max(5.0, timeout_s - 5.0)
+    procs = [
+        ctx.Process(
+            target=rank_fn,
+            args=(r, spec),
+            kwargs={
+                "port": port,
+                "out_dir": out_dir,
+                "timeout_s": pg_timeout,
+                "master_addr": task.master_addr,
+                "local_rank": r - mine.start,
+                "local_world": len(mine),
+            },
+            daemon=True,
+        )
+        for r in mine
+    ]
+    start, started = time.monotonic(), time.time()
+    deadline, first_failure, timed_out = start + timeout_s, None, False
+    next_peer_check = start
+    killed_here: set[int] = set()
+    # With the default SIGTERM action this process would die at once and leave its ranks running
+    # (seen: a killed sweep's 8 ranks outlived it). A handler someone installed (under Slurm,
+    # harness.sweep.run_job's) is left in place: it raises too.
+    previous = None
+    main = threading.current_thread() is threading.main_thread()
+    if main and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        for proc in procs:
+            proc.start()
+        while True:
+            codes = [proc.exitcode for proc in procs]
+            if all(c is not None for c in codes):
+                break
+            now = time.monotonic()
+            if first_failure is None and any(c not in (None, 0) for c in codes):
+                first_failure = now
+                if task.count > 1:  # the other tasks' ranks are stuck in a collective with ours
+                    _failure_marker(out_dir, task.index).touch()
+            if first_failure is None and task.count > 1 and now >= next_peer_check:
+                next_peer_check = now + PEER_POLL_S
+                if any(_failure_marker(out_dir, k).exists() for k in range(task.count) if k != task.index):
                     first_failure = now
-                if now >= deadline:
-                    timed_out = True
-                    break
-                if first_failure is not None and now - first_failure >= GRACE_S:
-                    break
-                time.sleep(POLL_S)
-        finally:
-            # Reap everything, whatever state it is in — also when this loop is interrupted (a signal
-            # from Slurm raised in this process, Ctrl-C): no rank outlives its point.
-            for r, proc in enumerate(procs):
-                if proc.pid is None:
-                    continue
-                if proc.exitcode is None:
-                    os.kill(proc.pid, signal.SIGKILL)
-                    killed_here.add(r)
-                proc.join(timeout=10)
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
-        wall = time.monotonic() - start
-        ranks = [_read(out_dir, r) for r in range(world)]
-        codes = [proc.exitcode for proc in procs]
-        # Ranks this supervisor killed (stragglers after a failure, or everyone at the deadline) are
-        # not the cause of anything.
-        failed = [(r, c, ranks[r]) for r, c in enumerate(codes) if c != 0 and r not in killed_here]
-        device_name = _device_name(spec)
-        common = {"wall_s": wall, "device_name": device_name}
-        if failed:
-            rank, code, info = _culprit(failed)
-            status = "oom" if any(r[2].get("oom") for r in failed) else "crash"
-            if code is not None and code < 0:
-                error = f"rank {rank} killed by signal {signal.Signals(-code).name}"
-            else:
-                error = (
-                    info.get("error") or _last_log_line(out_dir, rank) or f"rank {rank} exited with {code}"
-                )
-            return finish_record(
-                spec, ranks, status=status, error=error, error_rank=rank, exit_code=code, **common
-            )
-        if timed_out:
-            return finish_record(
-                spec,
-                ranks,
-                status="timeout",
-                error=f"no result within {timeout_s:g} s; {len(killed_here)} of {world} ranks killed",
-                error_rank=None,
-                exit_code=None,
-                **common,
-            )
-        return finish_record(spec, ranks, status="ok", error=None, error_rank=None, exit_code=0, **common)
+            if now >= deadline:
+                timed_out = True
+                break
+            if first_failure is not None and now - first_failure >= GRACE_S:
+                break
+            time.sleep(POLL_S)
+    finally:
+        # Reap everything, whatever state it is in — also when this loop is interrupted (a signal
+        # from Slurm raised in this process, Ctrl-C): no rank outlives its point.
+        for r, proc in zip(mine, procs, strict=True):
+            if proc.pid is None:
+                continue
+            if proc.exitcode is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                killed_here.add(r)
+            proc.join(timeout=10)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    return {
+        "task": task.index,
+        "host": task.host,
+        "ranks": list(mine),
+        "codes": [proc.exitcode for proc in procs],
+        "killed": sorted(killed_here),
+        "timed_out": timed_out,
+        "started": started,
+        "wall_s": time.monotonic() - start,
+    }
+
+
+def _peer_outcomes(task: Task, out_dir: Path, *, deadline: float) -> list[dict]:
+    """Task 0: the other tasks' outcomes, waiting for them until ``deadline`` (Unix time)."""
+    missing = list(range(1, task.count))
+    found: dict[int, dict] = {}
+    while missing:
+        for k in list(missing):
+            try:
+                found[k] = json.loads(_task_file(out_dir, k).read_text())
+                missing.remove(k)
+            except (OSError, ValueError):
+                pass
+        if not missing or time.time() >= deadline:
+            break
+        time.sleep(PEER_POLL_S)
+    return [found[k] for k in sorted(found)]
+
+
+def _record(
+    spec: RunSpec, out_dir: Path, outcomes: list[dict], timeout_s: float, *, count: int
+) -> dict[str, Any]:
+    """The point's one record from every task's outcome and every rank's numbers."""
+    world = spec.parallel.world
+    ranks = [_read(out_dir, r) for r in range(world)]
+    codes: dict[int, int | None] = {}
+    killed_here: set[int] = set()
+    for o in outcomes:
+        codes.update(zip(o["ranks"], o["codes"], strict=True))
+        killed_here.update(o["killed"])
+    timed_out = any(o["timed_out"] for o in outcomes)
+    device_name = _device_name(spec)
+    common = {
+        "wall_s": outcomes[0]["wall_s"],
+        "device_name": device_name,
+        "launch_tasks": count,
+        "launch_hosts": [o["host"] for o in outcomes],
+    }
+    if len(codes) < world:  # a whole task is missing: that, not its peers' broken collectives, is the cause
+        silent = [r for r in range(world) if r not in codes]
+        return finish_record(
+            spec,
+            ranks,
+            status="crash",
+            error=f"ranks {silent[0]}-{silent[-1]} never reported: their task (node) failed or never "
+            f"started; {len(outcomes)} of {count} tasks reported",
+            error_rank=silent[0],
+            exit_code=None,
+            **common,
+        )
+    # Ranks a supervisor killed (stragglers after a failure, or everyone at the deadline) are not the
+    # cause of anything.
+    failed = [(r, c, ranks[r]) for r, c in sorted(codes.items()) if c != 0 and r not in killed_here]
+    if failed:
+        rank, code, info = _culprit(failed)
+        status = "oom" if any(r[2].get("oom") for r in failed) else "crash"
+        if code is not None and code < 0:
+            error = f"rank {rank} killed by signal {signal.Signals(-code).name}"
+        else:
+            error = info.get("error") or _last_log_line(out_dir, rank) or f"rank {rank} exited with {code}"
+        return finish_record(
+            spec, ranks, status=status, error=error, error_rank=rank, exit_code=code, **common
+        )
+    if timed_out:
+        return finish_record(
+            spec,
+            ranks,
+            status="timeout",
+            error=f"no result within {timeout_s:g} s; {len(killed_here)} of {world} ranks killed",
+            error_rank=None,
+            exit_code=None,
+            **common,
+        )
+    return finish_record(spec, ranks, status="ok", error=None, error_rank=None, exit_code=0, **common)
 
 
 def _device_name(spec: RunSpec) -> str:

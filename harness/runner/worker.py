@@ -8,7 +8,6 @@ error, a Python exception with its first line); the supervisor covers what a ran
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -24,18 +23,12 @@ from harness.runner.measure import PeakMemory, cpu_peak_tflops
 from harness.runner.model import Llama
 from harness.runner.parallel.compose import MESH_DIMS, parallelize, train_step
 from harness.runner.parallel.context import shard_sequence
+from harness.runner.supervisor import write_json
 from harness.specs import RunSpec
 
 WARMUP_STEPS = 1  # AdamW's state appears at the first optimizer.step(): measure from the second step on
 DATA_SEED = 1234
 MODEL_SEED = 0
-
-
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Atomic: a reader sees the whole file or none."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
 
 
 def synthetic_batch(spec: RunSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,28 +40,41 @@ def synthetic_batch(spec: RunSpec) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
-def device_for(spec: RunSpec, local_rank: int) -> tuple[torch.device, str]:
+def device_for(spec: RunSpec, local_rank: int, local_world: int) -> tuple[torch.device, str]:
+    """This rank's device and the process group's backend; ``local_world``: the ranks on this node."""
     if spec.device.name == "cpu":
         return torch.device("cpu"), "gloo"
     n = torch.cuda.device_count()
-    if spec.parallel.world <= n:  # one GPU per rank
+    if local_world <= n:  # one GPU per rank
         return torch.device("cuda", local_rank), "nccl"
     return torch.device("cuda", local_rank % n), "gloo"  # several ranks share a GPU
 
 
-def emulate_capacity(spec: RunSpec, device: torch.device) -> float:
+def emulate_capacity(spec: RunSpec, device: torch.device, local_world: int) -> float:
     """Cap this process's share of the GPU at the device preset's capacity (a 40 GB card emulated on an
     H200), divided among the ranks that share the GPU; returns the fraction set (1.0: no cap)."""
     total = torch.cuda.get_device_properties(device).total_memory
-    sharing = max(1, -(-spec.parallel.world // torch.cuda.device_count()))
+    sharing = max(1, -(-local_world // torch.cuda.device_count()))
     fraction = min(1.0, spec.device.memory_bytes / total) / sharing
     if fraction < 1.0:
         torch.cuda.set_per_process_memory_fraction(fraction, device)
     return fraction
 
 
-def run_rank(rank: int, spec: RunSpec, *, port: int, out_dir: Path, timeout_s: float) -> None:
-    """The worker's entry point (never raises: the outcome is the JSON file and the exit code)."""
+def run_rank(
+    rank: int,
+    spec: RunSpec,
+    *,
+    port: int,
+    out_dir: Path,
+    timeout_s: float,
+    master_addr: str = "127.0.0.1",
+    local_rank: int | None = None,
+    local_world: int | None = None,
+) -> None:
+    """The worker's entry point (never raises: the outcome is the JSON file and the exit code).
+    ``rank`` is global; ``local_rank`` of ``local_world`` places it on this node (default: every rank
+    on this node)."""
     out = out_dir / f"rank{rank}.json"
     world = spec.parallel.world
     result: dict[str, Any] = {"rank": rank}
@@ -77,14 +83,16 @@ def run_rank(rank: int, spec: RunSpec, *, port: int, out_dir: Path, timeout_s: f
     os.dup2(log, 2)
     try:
         os.environ.update(
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
+            MASTER_ADDR=master_addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
         )
+        local_rank = rank if local_rank is None else local_rank
+        local_world = world if local_world is None else local_world
         if spec.device.name == "cpu":
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        device, backend = device_for(spec, rank)
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        device, backend = device_for(spec, local_rank, local_world)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-            result["cuda_memory_fraction"] = emulate_capacity(spec, device)
+            result["cuda_memory_fraction"] = emulate_capacity(spec, device, local_world)
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
         result.update(_run(spec, device))
         write_json(out, result)

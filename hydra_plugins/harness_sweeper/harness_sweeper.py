@@ -10,6 +10,11 @@ allocation that starts Python only to exit). This one composes each point's conf
 The rest are launched in batches as the basic sweeper does. It also records the planned points so that
 each job can print the sweep's progress.
 
+With ``sweep.ranks_per_node`` set and a launcher that places jobs on nodes (``submitit_slurm``), each
+point asks for ``ceil(world / ranks_per_node)`` nodes: points are batched by that count and the
+launcher's ``nodes`` is set for each batch (Hydra's launcher parameters are otherwise one value for
+the whole sweep). Each node's task then forks its block of the point's ranks (harness.sweep.run_job).
+
 A study that is not one cartesian product lists several under ``hydra.sweeper.grids``: each grid's
 keys are combined with ``params`` (a grid's value wins over params for the same key, the command line
 wins over both), the union of the grids' points is swept, and a point in two grids runs once.
@@ -44,6 +49,7 @@ class HarnessSweeper(BasicSweeper):
         super().__init__(max_batch_size=max_batch_size, params=params)
         self.grids = grids
         self.arguments: list[str] = []
+        self.nodes: dict[tuple[str, ...], int | None] = {}  # a launched point -> its node count
 
     def sweep(self, arguments):
         self.arguments = list(arguments)
@@ -51,14 +57,14 @@ class HarnessSweeper(BasicSweeper):
 
     def setup(self, *, hydra_context, task_function, config) -> None:
         super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
-        self.launcher.launch = _report_lost_jobs(self.launcher.launch)
+        self.launcher.launch = _report_lost_jobs(_on_nodes(self.launcher, self.nodes))
 
     def validate_batch_is_legal(self, batch) -> None:
         """No-op: ``split_arguments`` has already composed every point (the basic sweeper would compose
         each one once more here, ~0.2 s a point on 2 cores, only to check that it composes)."""
 
     def split_arguments(self, overrides, max_batch_size):  # type: ignore[override]
-        from harness.sweep import point_id, start_progress, triage
+        from harness.sweep import nodes_for, point_id, start_progress, triage
 
         points = [
             p for o in self._grid_overrides(overrides) for p in BasicSweeper.split_arguments(o, None)[0]
@@ -79,6 +85,7 @@ class HarnessSweeper(BasicSweeper):
             )
             return []
         keep = [p for p, _ in launch]
+        self.nodes.update({tuple(p): nodes_for(cfg) for p, cfg in launch})
         if configs:
             start_progress(
                 configs[0]["results_dir"],
@@ -87,7 +94,11 @@ class HarnessSweeper(BasicSweeper):
                 planned=sorted({point_id(c) for c in configs}),
             )
         size = max_batch_size or len(keep) or 1
-        return [keep[i : i + size] for i in range(0, len(keep), size)]
+        batches = []
+        for count in sorted({self.nodes[tuple(p)] or 0 for p in keep}):  # one node count per batch
+            group = [p for p in keep if (self.nodes[tuple(p)] or 0) == count]
+            batches += [group[i : i + size] for i in range(0, len(group), size)]
+        return batches
 
     def _grid_overrides(self, overrides):
         """The parsed overrides of each grid (the basic sweeper's one product when there are no grids)."""
@@ -102,6 +113,23 @@ class HarnessSweeper(BasicSweeper):
             strings = [f"{k}={v}" for k, v in merged.items()] + self.arguments
             out.append(parser.parse_overrides(strings))
         return out
+
+
+def _on_nodes(launcher, nodes: dict):
+    """``launcher.launch`` that first sets the launcher's ``nodes`` to the batch's count, when the
+    study asks for per-point node counts (``sweep.ranks_per_node``) and the launcher places jobs on
+    nodes (submitit's launchers read ``self.params`` at each launch). Launchers without nodes run
+    every rank where they are."""
+    launch = launcher.launch
+
+    def wrapped(job_overrides, initial_job_idx):
+        count = nodes.get(tuple(job_overrides[0])) if job_overrides else None
+        params = getattr(launcher, "params", None)
+        if count is not None and isinstance(params, dict) and "nodes" in params:
+            params["nodes"] = count
+        return launch(job_overrides, initial_job_idx=initial_job_idx)
+
+    return wrapped
 
 
 def _report_lost_jobs(launch):
