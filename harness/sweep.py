@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 import traceback
@@ -94,7 +95,7 @@ def nodes_for(cfg: dict[str, Any]) -> int | None:
     """How many nodes the point's job asks for: ``ceil(world / sweep.ranks_per_node)``; None when the
     study does not set ``ranks_per_node`` (the launcher's own ``nodes`` then holds for every point)."""
     per_node = cfg.get("sweep", {}).get("ranks_per_node")
-    if not per_node:
+    if per_node is None:
         return None
     if int(per_node) < 1:
         raise SystemExit(f"harness sweep: error: sweep.ranks_per_node={per_node}: must be >= 1 (or null)")
@@ -166,12 +167,15 @@ def run_job(cfg: dict[str, Any]) -> str:
             error=str(exc) if timeout else f"supervisor: {type(exc).__name__}: {exc}",
             traceback=None if timeout else traceback.format_exc()[-2000:],
             wall_s=time.monotonic() - start,
+            launch_tasks=task.count if task else 1,
         )
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if task is not None and task.index > 0:  # task 0 writes the point's row
         return f"task {task.index} of {task.count}: {row['status'] if row else 'ranks done'}"
+    if task is not None and row["status"] == "timeout" and "Slurm sent" in (row["error"] or ""):
+        shutil.rmtree(task.shared_dir, ignore_errors=True)  # the interrupted point's rank files
     row["config_id"] = cid
     row["finished_at"] = time.time()  # Unix time; gaps between points measure the sweep's overhead
     write_record(_tag(row, cfg), results_dir)

@@ -44,12 +44,14 @@ def sweep(results_dir, *overrides) -> subprocess.CompletedProcess:
 
 def test_points_run_as_slurm_jobs_and_a_time_limit_kill_is_a_row(tmp_path):
     # Two normal points and two that cannot finish inside Slurm's 1-minute limit (their own timeout is
-    # longer, so only Slurm can end them: submitit asks for USR2 5 s before the limit).
+    # longer, so only Slurm can end them: submitit asks for USR2 5 s before the limit). One rank per
+    # node: the dp=2 points are two-node jobs, so a time-limit kill of a multi-node point is covered too.
     r = sweep(
         tmp_path,
         "parallel.dp=1,2",
         "train.steps=2,100000",
         "run.timeout_s=600",
+        "sweep.ranks_per_node=1",
         "hydra.launcher.timeout_min=1",
         "hydra.launcher.signal_delay_s=5",
     )
@@ -59,6 +61,8 @@ def test_points_run_as_slurm_jobs_and_a_time_limit_kill_is_a_row(tmp_path):
     assert frame["env_slurm_job_id"].notna().all()  # they ran as Slurm jobs
     short, long = frame[frame["train_steps"] == 2], frame[frame["train_steps"] == 100000]
     assert set(short["status"]) == {"ok"}
+    assert sorted(short["launch_tasks"]) == [1, 2]
+    assert sorted(long["env_slurm_nodelist"]) == ["harness-n1", "harness-n[1-2]"]
     assert set(long["status"]) == {"timeout"}
     assert long["error"].str.contains("Slurm sent SIGUSR2").all()
     # Resume: every point has its row, nothing runs again.

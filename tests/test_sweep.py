@@ -97,3 +97,13 @@ def test_dry_run_counts_and_writes_nothing(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "2 points: 1 to launch, 1 invalid (row not written: dry run)" in r.stdout
     assert "[1/1]" not in r.stdout and result_files(tmp_path) == []
+
+
+def test_dry_run_says_how_many_nodes_each_job_asks_for(tmp_path):
+    # world 1, 2 and 4 with two ranks per node: one job of one node each for 1 and 2, two nodes for 4
+    # (tests/test_slurm.py runs such a two-node job on a real Slurm).
+    r = sweep(tmp_path, "parallel.dp=1,2,4", "parallel.tp=1", "sweep.ranks_per_node=2", "sweep.dry_run=true")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "harness sweep: jobs by size: 2 on 1 node, 1 on 2 nodes" in r.stdout
+    bad = sweep(tmp_path, "parallel.dp=1", "parallel.tp=1", "sweep.ranks_per_node=0", "sweep.dry_run=true")
+    assert bad.returncode != 0 and "sweep.ranks_per_node=0: must be >= 1" in bad.stderr + bad.stdout

@@ -21,6 +21,7 @@ wins over both), the union of the grids' points is swept, and a point in two gri
 """
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,13 +80,20 @@ class HarnessSweeper(BasicSweeper):
         dry_run = bool(configs and configs[0]["sweep"].get("dry_run"))
         launch, summary = triage(points, configs, write=not dry_run)
         print(summary, flush=True)
+        self.nodes.update({tuple(p): nodes_for(cfg) for p, cfg in launch})
+        by_nodes = Counter(self.nodes[tuple(p)] for p, _ in launch)
+        if any(by_nodes):  # sweep.ranks_per_node is set: say what the cluster will be asked for
+            print(
+                "harness sweep: jobs by size: "
+                + ", ".join(f"{by_nodes[n]} on {n} node{'s' * (n > 1)}" for n in sorted(by_nodes)),
+                flush=True,
+            )
         if dry_run:
             print(
                 "harness sweep: dry run (sweep.dry_run=true): nothing written, nothing launched", flush=True
             )
             return []
         keep = [p for p, _ in launch]
-        self.nodes.update({tuple(p): nodes_for(cfg) for p, cfg in launch})
         if configs:
             start_progress(
                 configs[0]["results_dir"],
@@ -117,16 +125,15 @@ class HarnessSweeper(BasicSweeper):
 
 def _on_nodes(launcher, nodes: dict):
     """``launcher.launch`` that first sets the launcher's ``nodes`` to the batch's count, when the
-    study asks for per-point node counts (``sweep.ranks_per_node``) and the launcher places jobs on
-    nodes (submitit's launchers read ``self.params`` at each launch). Launchers without nodes run
-    every rank where they are."""
+    study asks for per-point node counts (``sweep.ranks_per_node``) and the launcher is submitit's
+    Slurm launcher (it reads ``self.params`` at each launch). Other launchers run every rank where
+    they are (submitit's local executor refuses more than one node)."""
     launch = launcher.launch
 
     def wrapped(job_overrides, initial_job_idx):
         count = nodes.get(tuple(job_overrides[0])) if job_overrides else None
-        params = getattr(launcher, "params", None)
-        if count is not None and isinstance(params, dict) and "nodes" in params:
-            params["nodes"] = count
+        if count is not None and getattr(launcher, "_EXECUTOR", None) == "slurm":
+            launcher.params["nodes"] = count
         return launch(job_overrides, initial_job_idx=initial_job_idx)
 
     return wrapped
