@@ -117,10 +117,10 @@ def _raise_slurm_signal(signum, frame):
 
 def slurm_task(results_dir: str, cid: str):
     """Under a Slurm job of several tasks (a point wider than one node: ``nodes`` > 1, or
-    ``tasks_per_node`` > 1), this task's place among them; None otherwise. Each task forks its block
-    of the point's ranks; they meet at the job's first host on a port drawn from the job id (submitit's
-    own helper, the one its docs give for torch.distributed) and share a directory under
-    ``results_dir`` (which a cluster's nodes all see: the rows go there too)."""
+    ``tasks_per_node`` > 1, e.g. one task per GPU), this task's place among them; None otherwise.
+    Each task forks its block of the point's ranks; they meet at the job's first host on a port drawn
+    from the job id (submitit's own helper, the one its docs give for torch.distributed) and share a
+    directory under ``results_dir`` (which a cluster's nodes all see: the rows go there too)."""
     if int(os.environ.get("SLURM_NTASKS", "1") or 1) <= 1 or not os.environ.get("SLURM_JOB_ID"):
         return None
     from submitit.helpers import TorchDistributedEnvironment
@@ -134,6 +134,8 @@ def slurm_task(results_dir: str, cid: str):
         master_addr=env.master_addr,
         port=env.master_port,
         shared_dir=Path(results_dir) / ".points" / f"{cid}-{os.environ['SLURM_JOB_ID']}",
+        tasks_per_node=env.local_world_size,
+        node_task=env.local_rank,
     )
 
 

@@ -93,3 +93,15 @@ def test_a_point_wider_than_a_node_runs_on_two_nodes(tmp_path):
     assert local["status"] == "ok"
     assert list(wide["losses"]) == pytest.approx(local["losses"], rel=1e-6)
     assert not (tmp_path / ".points").exists() or not any((tmp_path / ".points").iterdir())
+
+
+def test_one_task_per_rank_on_one_node(tmp_path):
+    # submitit's usual shape (tasks_per_node = ranks): each task forks its one rank.
+    r = sweep(tmp_path, "parallel.dp=2", "train.steps=2", "hydra.launcher.tasks_per_node=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    frame, bad = load_results(tmp_path)
+    assert bad == [] and len(frame) == 1
+    row = frame.iloc[0]
+    assert row["status"] == "ok", row["error"]
+    assert row["launch_tasks"] == 2 and row["env_slurm_nodelist"] in ("harness-n1", "harness-n2")
+    assert list(row["launch_hosts"]) == [row["env_slurm_nodelist"]] * 2

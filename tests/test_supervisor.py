@@ -265,3 +265,18 @@ def test_a_task_that_never_reports_is_a_crash_row(monkeypatch, tmp_path, no_left
     assert r["status"] == "crash" and r["error_rank"] == 2
     assert r["error"].startswith("ranks 2-3 never reported") and "1 of 2 tasks reported" in r["error"]
     assert (shared / "task0.json").exists()  # kept for the logs of what did run
+
+
+def test_ranks_and_their_devices_when_a_point_is_spread_over_tasks():
+    # 8 ranks as 2 nodes x 1 task: each task 4 ranks, devices 0-3 of its node.
+    assert Task(1, 2).ranks(8) == range(4, 8) and Task(1, 2).placement(8) == (0, 4)
+    # 16 ranks as 2 nodes x 4 tasks (two ranks per task): task 5 is the second task of node 1; its
+    # ranks 10-11 take devices 2 and 3 of that node, which runs 8 ranks.
+    t = Task(index=5, count=4 * 2, tasks_per_node=4, node_task=1)
+    assert t.ranks(16) == range(10, 12) and t.placement(16) == (2, 8)
+    # One rank per task (submitit's usual way): task k is rank k, device node_task.
+    assert Task(index=3, count=8, tasks_per_node=8, node_task=3).placement(8) == (3, 8)
+    # More tasks than ranks: the extra tasks have no rank.
+    assert Task(3, 4).ranks(2) == range(2, 2)
+    # One task: every rank, devices 0..world-1.
+    assert Task().ranks(4) == range(4) and Task().placement(4) == (0, 4)

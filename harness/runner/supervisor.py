@@ -127,6 +127,8 @@ class Task:
     master_addr: str = "127.0.0.1"
     port: int | None = None  # None: a free port of this machine (one task only)
     shared_dir: Path | None = None  # required when count > 1: a directory every task can reach
+    tasks_per_node: int = 1  # several tasks on one node (one per GPU, say) share its devices
+    node_task: int = 0  # this task's index on its node
     host: str = field(default_factory=lambda: os.environ.get("SLURMD_NODENAME") or socket.gethostname())
 
     def ranks(self, world: int) -> range:
@@ -134,6 +136,14 @@ class Task:
         dimension, stay inside a block when its size is a multiple of tp)."""
         per = -(-world // self.count)
         return range(min(world, self.index * per), min(world, (self.index + 1) * per))
+
+    def placement(self, world: int) -> tuple[int, int]:
+        """(node-local index of this task's first rank, ranks on this node): which device each rank
+        takes, and how many share the node."""
+        per = -(-world // self.count)
+        if self.count == 1:
+            return 0, world
+        return self.node_task * per, min(world, per * self.tasks_per_node)
 
 
 def _task_file(out_dir: Path, index: int) -> Path:
@@ -194,6 +204,7 @@ def _run_ranks(spec: RunSpec, mine: range, task: Task, rank_fn, out_dir: Path, t
     """Fork this task's ranks, wait for them within the timeout, reap them all; their exit codes."""
     ctx = multiprocessing.get_context("fork")
     port = task.port or free_port()
+    first_local, node_world = task.placement(spec.parallel.world)
     # The process group's own timeout fires a little before ours, so that a stuck collective is
     # reported by the rank itself when it can be.
     pg_timeout = max(5.0, timeout_s - 5.0)
@@ -206,8 +217,8 @@ def _run_ranks(spec: RunSpec, mine: range, task: Task, rank_fn, out_dir: Path, t
                 "out_dir": out_dir,
                 "timeout_s": pg_timeout,
                 "master_addr": task.master_addr,
-                "local_rank": r - mine.start,
-                "local_world": len(mine),
+                "local_rank": first_local + r - mine.start,
+                "local_world": node_world,
             },
             daemon=True,
         )
