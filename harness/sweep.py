@@ -118,23 +118,30 @@ def _raise_slurm_signal(signum, frame):
 def slurm_task(results_dir: str, cid: str):
     """Under a Slurm job of several tasks (a point wider than one node: ``nodes`` > 1, or
     ``tasks_per_node`` > 1, e.g. one task per GPU), this task's place among them; None otherwise.
-    Each task forks its block of the point's ranks; they meet at the job's first host on a port drawn
-    from the job id (submitit's own helper, the one its docs give for torch.distributed) and share a
-    directory under ``results_dir`` (which a cluster's nodes all see: the rows go there too)."""
+    Works inside a submitit job and under a bare ``srun`` alike. Each task forks its block of the
+    point's ranks; they meet at the job's first host (submitit's parser of Slurm's node list) on
+    ``MASTER_PORT``, or a port drawn from the job id as submitit's TorchDistributedEnvironment draws
+    it, and share a directory under ``results_dir`` (which a cluster's nodes all see: the rows go
+    there too)."""
     if int(os.environ.get("SLURM_NTASKS", "1") or 1) <= 1 or not os.environ.get("SLURM_JOB_ID"):
         return None
-    from submitit.helpers import TorchDistributedEnvironment
+    import random
+
+    # The Slurm environment directly: submitit's generic JobEnvironment() only answers inside a job
+    # that submitit itself started.
+    from submitit.slurm.slurm import SlurmJobEnvironment
 
     from harness.runner.supervisor import Task
 
-    env = TorchDistributedEnvironment()
+    env = SlurmJobEnvironment()
+    port = os.environ.get("MASTER_PORT")
     return Task(
-        index=env.rank,
-        count=env.world_size,
-        master_addr=env.master_addr,
-        port=env.master_port,
-        shared_dir=Path(results_dir) / ".points" / f"{cid}-{os.environ['SLURM_JOB_ID']}",
-        tasks_per_node=env.local_world_size,
+        index=env.global_rank,
+        count=env.num_tasks,
+        master_addr=env.hostnames[0],
+        port=int(port) if port else random.Random(env.job_id).randint(20000, 60000),
+        shared_dir=Path(results_dir) / ".points" / f"{cid}-{env.job_id}",
+        tasks_per_node=env.num_tasks // env.num_nodes,
         node_task=env.local_rank,
     )
 
@@ -210,6 +217,20 @@ def what_is_left(results_dir: str) -> str | None:
     done = planned & existing_ids(results_dir)
     left = len(planned) - len(done)
     return f"sweep {plan['name']}: {len(planned)} points, {len(done)} with a row, {left} left"
+
+
+def leftover_points(results_dir: str) -> str | None:
+    """A line about the shared directories multi-node points left behind (kept when a node's task never
+    reported, for its ranks' logs); None when there are none."""
+    root = Path(results_dir) / ".points"
+    kept = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    if not kept:
+        return None
+    noun = "directory" if len(kept) == 1 else "directories"
+    return (
+        f"{len(kept)} multi-node point {noun} kept in {root} (rank logs of points a node never "
+        f"reported on; delete them once read): {', '.join(kept[:3])}{' …' if len(kept) > 3 else ''}"
+    )
 
 
 def progress_line(results_dir: str, row: dict[str, Any], seconds: float) -> str:

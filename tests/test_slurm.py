@@ -105,3 +105,23 @@ def test_one_task_per_rank_on_one_node(tmp_path):
     assert row["status"] == "ok", row["error"]
     assert row["launch_tasks"] == 2 and row["env_slurm_nodelist"] in ("harness-n1", "harness-n2")
     assert list(row["launch_hosts"]) == [row["env_slurm_nodelist"]] * 2
+
+
+def test_harness_run_under_srun_on_two_nodes(tmp_path):
+    # One point outside a sweep: `srun --nodes=2 harness run ...` prints one record, from task 0.
+    import json
+    import sys
+
+    r = subprocess.run(
+        ["srun", "--nodes=2", "--ntasks-per-node=1", sys.executable, "-m", "harness", "run"]
+        + ["parallel.dp=2", "parallel.tp=2", "train.precision=fp32", "train.seq_len=64", "format=json"]
+        + [f"results_dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    record = json.loads(r.stdout)  # one JSON document: the other task printed nothing
+    assert record["status"] == "ok" and record["launch_tasks"] == 2
+    assert record["launch_hosts"] == ["harness-n1", "harness-n2"]

@@ -16,6 +16,7 @@ from harness.record import STATUSES
 from harness.runner import worker
 from harness.runner.supervisor import Task, Terminated, free_port
 from harness.runner.supervisor import run_point as _run_point
+from harness.sweep import leftover_points
 
 FAST = dict(train_precision="fp32", train_seq_len=32, train_steps=2)
 
@@ -260,11 +261,12 @@ def test_a_task_that_never_reports_is_a_crash_row(monkeypatch, tmp_path, no_left
 
     monkeypatch.setattr(supervisor, "GRACE_S", 1.0)
     monkeypatch.setattr(supervisor, "PEER_MARGIN_S", 0.0)
-    shared = tmp_path / "point"
+    shared = tmp_path / ".points" / "point-1"  # as harness.sweep.slurm_task names it under results_dir
     r = run_point(spec("tiny", **MULTI), timeout_s=12, task=Task(0, 2, port=free_port(), shared_dir=shared))
     assert r["status"] == "crash" and r["error_rank"] == 2
     assert r["error"].startswith("ranks 2-3 never reported") and "1 of 2 tasks reported" in r["error"]
-    assert (shared / "task0.json").exists()  # kept for the logs of what did run
+    assert (shared / "task0.json").exists()  # kept for the logs of what did run, and said so:
+    assert leftover_points(str(tmp_path)).startswith("1 multi-node point directory kept")
 
 
 def test_ranks_and_their_devices_when_a_point_is_spread_over_tasks():

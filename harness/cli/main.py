@@ -113,6 +113,8 @@ def _plan(overrides: Sequence[str]) -> int:
 def _run(overrides: Sequence[str]) -> int:
     from harness.cli.render import record_json, record_table
     from harness.runner.supervisor import run_point
+    from harness.specs import spec_id
+    from harness.sweep import slurm_task
 
     cfg = compose(overrides)
     fmt, _ = _output_settings(cfg)
@@ -120,7 +122,13 @@ def _run(overrides: Sequence[str]) -> int:
     if not timeout_s > 0:
         raise ValueError(f"run.timeout_s={timeout_s} must be > 0")
     # Unknown or missing keys are a usage error (one line, exit 2); an impossible layout is a record.
-    record = run_point(run_spec(cfg), timeout_s=timeout_s)
+    spec = run_spec(cfg)
+    # Under `srun --nodes=N` (or several tasks of one node) each task forks its block of the ranks,
+    # sharing a directory under results_dir; task 0 prints the record, the others print nothing.
+    task = slurm_task(str(cfg["results_dir"]), spec_id(spec))
+    record = run_point(spec, timeout_s=timeout_s, task=task)
+    if record is None:
+        return 0
     print(record_json(record) if fmt == "json" else record_table(record))
     return 0  # every recorded outcome, including oom/timeout/crash/invalid, is a success of the command
 
@@ -134,7 +142,7 @@ def _sweep(overrides: Sequence[str]) -> int:
 def _results(args: Sequence[str]) -> int:
     """`harness results status|compact [results_dir=DIR]`."""
     from harness.store import compact, load_results, status_counts
-    from harness.sweep import what_is_left
+    from harness.sweep import leftover_points, what_is_left
 
     action = args[0] if args and "=" not in args[0] else "status"
     opts = dict(a.split("=", 1) for a in args if "=" in a)
@@ -152,9 +160,9 @@ def _results(args: Sequence[str]) -> int:
             f"{root}: {len(frame)} runs: "
             + (", ".join(f"{s} {n}" for s, n in counts.most_common()) or "none")
         )
-        left = what_is_left(root)
-        if left:
-            print(left)
+        for line in (what_is_left(root), leftover_points(root)):
+            if line:
+                print(line)
     for line in bad:
         print(f"unreadable: {line}", file=sys.stderr)
     return 0

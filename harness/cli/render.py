@@ -245,9 +245,11 @@ def record_table(record: dict[str, Any]) -> str:
             f"(reference {r['mfu_reference_tflops']:.3g} TFLOP/s)",
             f"loss by step: {', '.join(f'{x:.4f}' for x in r['losses'])}",
         ]
+    tasks = r.get("launch_tasks") or 1
+    spread = f"; {tasks} tasks on {', '.join(r.get('launch_hosts') or [])}" if tasks > 1 else ""
     lines.append(
         f"wall {r.get('wall_s', 0):.1f} s; torch {r.get('env_torch_version')}; "
-        f"git {r.get('env_git_revision')}"
+        f"git {r.get('env_git_revision')}{spread}"
     )
     return "\n".join(lines)
 
