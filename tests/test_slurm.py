@@ -113,9 +113,9 @@ def test_harness_run_under_srun_on_two_nodes(tmp_path):
     import sys
 
     point = ["parallel.dp=2", "parallel.tp=2", "train.precision=fp32", "train.seq_len=64", "format=json"]
+    srun = ["srun", "--nodes=2", "--ntasks-per-node=1"]
     r = subprocess.run(
-        ["srun", "--nodes=2", "--ntasks-per-node=1", sys.executable, "-m", "harness", "run", *point]
-        + [f"results_dir={tmp_path}"],
+        [*srun, sys.executable, "-m", "harness", "run", *point, f"results_dir={tmp_path}"],
         capture_output=True,
         text=True,
         timeout=300,
