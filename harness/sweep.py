@@ -123,7 +123,9 @@ def slurm_task(results_dir: str, cid: str):
     ``MASTER_PORT``, or a port drawn from the job id as submitit's TorchDistributedEnvironment draws
     it, and share a directory under ``results_dir`` (which a cluster's nodes all see: the rows go
     there too)."""
-    if int(os.environ.get("SLURM_NTASKS", "1") or 1) <= 1 or not os.environ.get("SLURM_JOB_ID"):
+    # SLURM_STEP_NUM_TASKS, not SLURM_NTASKS: only srun sets it, so a batch script of a multi-task
+    # allocation that runs `harness run` itself (not under srun) stays one task that forks every rank.
+    if int(os.environ.get("SLURM_STEP_NUM_TASKS", "1") or 1) <= 1 or not os.environ.get("SLURM_JOB_ID"):
         return None
     import random
 
@@ -135,12 +137,14 @@ def slurm_task(results_dir: str, cid: str):
 
     env = SlurmJobEnvironment()
     port = os.environ.get("MASTER_PORT")
+    restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
     return Task(
         index=env.global_rank,
         count=env.num_tasks,
         master_addr=env.hostnames[0],
         port=int(port) if port else random.Random(env.job_id).randint(20000, 60000),
-        shared_dir=Path(results_dir) / ".points" / f"{cid}-{env.job_id}",
+        # A requeued job keeps its id: the restart count keeps an earlier attempt's files apart.
+        shared_dir=Path(results_dir) / ".points" / f"{cid}-{env.job_id}-{restarts}",
         tasks_per_node=env.num_tasks // env.num_nodes,
         node_task=env.local_rank,
     )

@@ -125,3 +125,26 @@ def test_harness_run_under_srun_on_two_nodes(tmp_path):
     record = json.loads(r.stdout)  # one JSON document: the other task printed nothing
     assert record["status"] == "ok" and record["launch_tasks"] == 2
     assert record["launch_hosts"] == ["harness-n1", "harness-n2"]
+
+
+def test_harness_run_in_a_batch_script_of_two_nodes_is_one_task(tmp_path):
+    # Not under srun (the batch step of a two-node allocation): one task forks every rank here.
+    import json
+    import sys
+
+    script = tmp_path / "job.sh"
+    script.write_text('#!/bin/sh\nexec "$@"\n')
+    out = tmp_path / "job.out"
+    point = ["parallel.dp=2", "train.precision=fp32", "train.seq_len=64", "format=json"]
+    sbatch = ["sbatch", "--wait", "--nodes=2", "--ntasks-per-node=1", f"--output={out}", str(script)]
+    r = subprocess.run(
+        [*sbatch, sys.executable, "-m", "harness", "run", *point, f"results_dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr[-3000:] + out.read_text()[-3000:]
+    record = json.loads(out.read_text())
+    assert record["status"] == "ok" and record["launch_tasks"] == 1
+    assert record["env_slurm_nodelist"] == "harness-n[1-2]"
