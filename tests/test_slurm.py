@@ -1,6 +1,10 @@
-"""Sweeps through a real Slurm (scripts/slurm_local.sh start): every point a row, including one that
-Slurm kills at its time limit, which the next run of the sweep runs again. Marked ``slurm``; skipped
-when no Slurm answers."""
+"""Sweeps through a real Slurm (scripts/slurm_local.sh start: two nodes on localhost): every point a row,
+including ones that Slurm kills at their time limit, which the next run of the sweep runs again, and
+points wider than a node. Marked ``slurm``; skipped when no Slurm answers.
+
+submitit reads job states from ``sacct``. The script runs Slurm's own accounting (slurmdbd on MariaDB);
+only if that cannot start does a squeue-backed stand-in answer, and ``accounting()`` names which one
+(each test's first assertion message carries it)."""
 
 from __future__ import annotations
 
@@ -20,6 +24,35 @@ def slurm_is_up() -> bool:
         return False
     r = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=20, check=False)
     return r.returncode == 0 and any(state in r.stdout for state in ("idle", "mix", "alloc"))
+
+
+def accounting() -> str:
+    """``slurmdbd`` when Slurm's accounting answers, else ``squeue stand-in`` (scripts/slurm_local.sh)."""
+    r = subprocess.run(
+        ["scontrol", "show", "config"], capture_output=True, text=True, timeout=20, check=False
+    )
+    return "slurmdbd" if "accounting_storage/slurmdbd" in r.stdout else "squeue stand-in"
+
+
+def sacct_states(job_ids) -> dict[str, str]:
+    """Slurm's own record of each job's end (``sacct``: COMPLETED, TIMEOUT, ...), once every job has
+    ended (a job reads RUNNING for a moment after its result is written, while Python exits)."""
+    import time
+
+    for _ in range(60):
+        r = subprocess.run(
+            ["sacct", "--parsable2", "-o", "JobIDRaw,State", "-j", ",".join(job_ids)],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        )
+        rows = [line.split("|") for line in r.stdout.splitlines()[1:] if "|" in line]
+        states = {job: state.split()[0] for job, state in rows if "." not in job}
+        if not {"RUNNING", "COMPLETING", "PENDING"} & set(states.values()):
+            break
+        time.sleep(0.5)
+    return states
 
 
 @pytest.fixture(autouse=True)
@@ -55,7 +88,7 @@ def test_points_run_as_slurm_jobs_and_a_time_limit_kill_is_a_row(tmp_path):
         "hydra.launcher.timeout_min=1",
         "hydra.launcher.signal_delay_s=5",
     )
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, f"accounting: {accounting()}\n" + r.stderr[-3000:]
     frame, bad = load_results(tmp_path)
     assert bad == [] and len(frame) == 4
     assert frame["env_slurm_job_id"].notna().all()  # they ran as Slurm jobs
@@ -65,6 +98,10 @@ def test_points_run_as_slurm_jobs_and_a_time_limit_kill_is_a_row(tmp_path):
     assert sorted(long["env_slurm_nodelist"]) == ["harness-n1", "harness-n[1-2]"]
     assert set(long["status"]) == {"timeout"}
     assert long["error"].str.contains("Slurm sent SIGUSR2").all()
+    # Slurm's own record: every job, the signalled ones included, ended by itself (COMPLETED) after
+    # writing its row, before Slurm's kill at the limit (which would read TIMEOUT).
+    states = sacct_states(list(frame["env_slurm_job_id"]))
+    assert [states.get(j) for j in frame["env_slurm_job_id"]] == ["COMPLETED"] * 4, states
     # Resume: every point has its row, nothing runs again.
     again = sweep(tmp_path, "parallel.dp=1,2", "train.steps=2,100000", "run.timeout_s=600")
     assert "4 points: 4 already done" in again.stdout
