@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # A Slurm cluster on localhost for tests: munge, slurmctld, one slurmd per node and real accounting
 # (slurmdbd on a local MariaDB: submitit polls `sacct` for job states); no systemd, no cgroups. If the
-# accounting daemons cannot start (or SLURM_LOCAL_ACCOUNTING=0), a small squeue-backed `sacct` stands in
-# and the script says so. It declares two nodes, harness-n1 and harness-n2, both this machine (each slurmd on its own
-# port), so that a job of two nodes is a real multi-node Slurm job: srun starts one task per node, with
-# that node's SLURM_NODEID and the job's two-host SLURM_JOB_NODELIST.
+# accounting daemons cannot start (or SLURM_LOCAL_ACCOUNTING=0), a small squeue-backed `sacct` stands
+# in and the script says so. It declares two nodes, harness-n1 and harness-n2, both this machine (each
+# slurmd on its own port), so that a job of two nodes is a real multi-node Slurm job: srun starts one
+# task per node, with that node's SLURM_NODEID and the job's two-host SLURM_JOB_NODELIST.
 # Needs root and Debian's packages (installed if missing). Facts behind each setting:
 # ../shared/research/slurm-local.md.
 #
@@ -12,8 +12,8 @@
 #   bash scripts/slurm_local.sh stop
 #
 # Knobs: SLURM_LOCAL_DIR (state, logs; default /var/lib/harness-slurm), SLURM_LOCAL_CPUS (CPUs
-# advertised per node, above the real count so 8-rank jobs fit; default 16), SLURM_LOCAL_NODES (default 2),
-# SLURM_LOCAL_ACCOUNTING (1: slurmdbd + MariaDB, the default; 0: the squeue-backed stand-in).
+# advertised per node, above the real count so 8-rank jobs fit; default 16), SLURM_LOCAL_NODES
+# (default 2), SLURM_LOCAL_ACCOUNTING (1: slurmdbd + MariaDB, the default; 0: the squeue-backed stand-in).
 set -euo pipefail
 
 DIR=${SLURM_LOCAL_DIR:-/var/lib/harness-slurm}
@@ -209,7 +209,9 @@ SHIM
 }
 
 stop() {
-  pids=("$DIR"/run/slurmd-*.pid "$DIR/run/slurmctld.pid" "$DIR/run/slurmdbd.pid" "$DIR/mysql-run/mysqld.pid")
+  # (slurmd.pid: the single slurmd of this script's earlier, one-node layout)
+  pids=("$DIR"/run/slurmd-*.pid "$DIR/run/slurmd.pid" "$DIR/run/slurmctld.pid" "$DIR/run/slurmdbd.pid"
+    "$DIR/mysql-run/mysqld.pid")
   for pid in "${pids[@]}"; do
     running "$pid" && kill "$(cat "$pid")" || true
   done
