@@ -144,20 +144,25 @@ def test_one_task_per_rank_on_one_node(tmp_path):
     assert list(row["launch_hosts"]) == [row["env_slurm_nodelist"]] * 2
 
 
-def test_harness_run_under_srun_on_two_nodes(tmp_path):
-    # One point outside a sweep: `srun --nodes=2 harness run ...` prints one record, from task 0.
-    import json
+def harness_run(launcher: list[str], tmp_path, *point: str) -> subprocess.CompletedProcess:
+    """`harness run <point> format=json` started by a Slurm command (srun, sbatch)."""
     import sys
 
-    point = ["parallel.dp=2", "parallel.tp=2", "train.precision=fp32", "train.seq_len=64", "format=json"]
-    srun = ["srun", "--nodes=2", "--ntasks-per-node=1"]
-    r = subprocess.run(
-        [*srun, sys.executable, "-m", "harness", "run", *point, f"results_dir={tmp_path}"],
+    return subprocess.run(
+        [*launcher, sys.executable, "-m", "harness", "run", *point, "format=json", f"results_dir={tmp_path}"],
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
     )
+
+
+def test_harness_run_under_srun_on_two_nodes(tmp_path):
+    # One point outside a sweep: `srun --nodes=2 harness run ...` prints one record, from task 0.
+    import json
+
+    point = ["parallel.dp=2", "parallel.tp=2", "train.precision=fp32", "train.seq_len=64"]
+    r = harness_run(["srun", "--nodes=2", "--ntasks-per-node=1"], tmp_path, *point)
     assert r.returncode == 0, r.stderr[-3000:]
     record = json.loads(r.stdout)  # one JSON document: the other task printed nothing
     assert record["status"] == "ok" and record["launch_tasks"] == 2
@@ -167,20 +172,12 @@ def test_harness_run_under_srun_on_two_nodes(tmp_path):
 def test_harness_run_in_a_batch_script_of_two_nodes_is_one_task(tmp_path):
     # Not under srun (the batch step of a two-node allocation): one task forks every rank here.
     import json
-    import sys
 
     script = tmp_path / "job.sh"
     script.write_text('#!/bin/sh\nexec "$@"\n')
     out = tmp_path / "job.out"
-    point = ["parallel.dp=2", "train.precision=fp32", "train.seq_len=64", "format=json"]
     sbatch = ["sbatch", "--wait", "--nodes=2", "--ntasks-per-node=1", f"--output={out}", str(script)]
-    r = subprocess.run(
-        [*sbatch, sys.executable, "-m", "harness", "run", *point, f"results_dir={tmp_path}"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    r = harness_run(sbatch, tmp_path, "parallel.dp=2", "train.precision=fp32", "train.seq_len=64")
     assert r.returncode == 0, r.stderr[-3000:] + out.read_text()[-3000:]
     record = json.loads(out.read_text())
     assert record["status"] == "ok" and record["launch_tasks"] == 1

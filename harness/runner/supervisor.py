@@ -131,18 +131,22 @@ class Task:
     node_task: int = 0  # this task's index on its node
     host: str = field(default_factory=lambda: os.environ.get("SLURMD_NODENAME") or socket.gethostname())
 
+    def block(self, world: int) -> int:
+        """Ranks per task (the last tasks may have fewer, or none)."""
+        return -(-world // self.count)
+
     def ranks(self, world: int) -> range:
         """This task's contiguous block of global ranks (tensor-parallel groups, the innermost mesh
         dimension, stay inside a block when its size is a multiple of tp)."""
-        per = -(-world // self.count)
+        per = self.block(world)
         return range(min(world, self.index * per), min(world, (self.index + 1) * per))
 
     def placement(self, world: int) -> tuple[int, int]:
         """(node-local index of this task's first rank, ranks on this node): which device each rank
         takes, and how many share the node."""
-        per = -(-world // self.count)
         if self.count == 1:
             return 0, world
+        per = self.block(world)
         return self.node_task * per, min(world, per * self.tasks_per_node)
 
 
