@@ -28,6 +28,8 @@ commands:
              held-out layouts; writes a profile that estimate/plan take as calibration=PATH
   report     results_dir=DIR: markdown report with figures (memory accuracy of every estimator, safe
              utilisation threshold, out-of-memory map, TFLOP/s by layout), every number from the runs
+  replay     trace=PATH: an allocation trace through a model of PyTorch's CUDA caching allocator:
+             peak allocated and reserved bytes, fragmentation, retries, out-of-memory
 
 overrides are Hydra's: group=preset (model=llama3_8b device=h100_94gb engine=paper) and dotted keys
 (parallel.tp=2 train.seq_len=8192 format=json). See sweeps/config.yaml for every key.
@@ -204,6 +206,12 @@ def _report(overrides: Sequence[str]) -> int:
     return 0
 
 
+def _replay(overrides: Sequence[str]) -> int:
+    from harness.cli.replay import replay_command
+
+    return replay_command(overrides)
+
+
 def _load(root: str):
     """The runs of ``root`` (unreadable files named on stderr); a missing or empty directory is an error."""
     from pathlib import Path
@@ -228,6 +236,7 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "results": _results,
     "calibrate": _calibrate,
     "report": _report,
+    "replay": _replay,
 }
 
 

@@ -278,3 +278,13 @@ def calibration_table(ev, *, profile_path: str) -> str:
         f"profile ({profile_path}): {ev.model.describe()}",
     ]
     return "\n".join(lines)
+
+
+def human_bytes(n_bytes: float) -> str:
+    """Bytes in the largest binary unit that keeps the number at least 1 (KiB = 2^10 … GiB = 2^30)."""
+    value = float(n_bytes)
+    for unit in ("B", "KiB", "MiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} GiB"
