@@ -129,6 +129,18 @@ def finish_record(
         ):
             values = [r[key] for r in done if key in r]
             row[key] = max(values) if values else None
+        # The caching-allocator replay of each rank's own trace (harness/alloc.py): the rank whose
+        # simulated reserved peak is highest, with its fragmentation (reserved - allocated there).
+        simulated = [r for r in done if r.get("sim_peak_reserved_bytes") is not None]
+        if simulated:
+            top = max(simulated, key=lambda r: r["sim_peak_reserved_bytes"])
+            row["sim_peak_reserved_bytes"] = top["sim_peak_reserved_bytes"]
+            row["sim_fragmentation_bytes"] = top["sim_fragmentation_bytes"]
+            row["sim_peak_allocated_bytes"] = max(r["sim_peak_allocated_bytes"] for r in simulated)
+        traces = [r["trace_file"] for r in sorted(done, key=lambda r: r["rank"]) if r.get("trace_file")]
+        snapshots = [r["memory_snapshot"] for r in ranks if r.get("memory_snapshot")]
+        row["trace_files"] = traces or None
+        row["memory_snapshots"] = snapshots or None
         for name, value in worst.get("categories", {}).items():
             row[f"mem_{name}_bytes"] = value
         step = max(r["step_time_s"] for r in done)

@@ -150,6 +150,19 @@ def slurm_task(results_dir: str, cid: str):
     )
 
 
+def run_artifacts(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The files each rank writes into results_dir beside the record: ``run.trace`` (its allocation
+    trace, JSON) and ``run.memory_snapshot`` (CUDA: PyTorch's memory snapshot, for memory_viz)."""
+    run = cfg.get("run") or {}
+    trace, snapshot = run.get("trace", False), run.get("memory_snapshot", False)
+    for key, value in (("run.trace", trace), ("run.memory_snapshot", snapshot)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{key}={value!r} must be true or false")
+    if not (trace or snapshot):
+        return {}
+    return {"trace_dir": Path(str(cfg["results_dir"])), "write_trace": trace, "memory_snapshot": snapshot}
+
+
 def run_job(cfg: dict[str, Any]) -> str:
     """One sweep point: run it and write exactly one row, whatever happens (never raises).
 
@@ -171,7 +184,9 @@ def run_job(cfg: dict[str, Any]) -> str:
         task = slurm_task(results_dir, cid)
         from harness.runner.supervisor import run_point
 
-        row = run_point(spec_of(cfg), timeout_s=float(cfg["run"]["timeout_s"]), task=task)
+        row = run_point(
+            spec_of(cfg), timeout_s=float(cfg["run"]["timeout_s"]), task=task, artifacts=run_artifacts(cfg)
+        )
     except Exception as exc:  # the supervisor failed or was interrupted: still one row
         row = invalid_record(spec_of(cfg), "")
         timeout = isinstance(exc, SlurmSignal)

@@ -116,7 +116,7 @@ def _run(overrides: Sequence[str]) -> int:
     from harness.cli.render import record_json, record_table
     from harness.runner.supervisor import run_point
     from harness.specs import spec_id
-    from harness.sweep import slurm_task
+    from harness.sweep import run_artifacts, slurm_task
 
     cfg = compose(overrides)
     fmt, _ = _output_settings(cfg)
@@ -128,7 +128,7 @@ def _run(overrides: Sequence[str]) -> int:
     # Under `srun --nodes=N` (or several tasks of one node) each task forks its block of the ranks,
     # sharing a directory under results_dir; task 0 prints the record, the others print nothing.
     task = slurm_task(str(cfg["results_dir"]), spec_id(spec))
-    record = run_point(spec, timeout_s=timeout_s, task=task)
+    record = run_point(spec, timeout_s=timeout_s, task=task, artifacts=run_artifacts(cfg))
     if record is None:
         return 0
     print(record_json(record) if fmt == "json" else record_table(record))

@@ -98,15 +98,36 @@ def _untracked_live_tensors(tracker: Any, device: torch.device) -> list[torch.Te
     return found
 
 
+# The CUDA stream an allocation would be made on, where the runner knows it: FSDP2 allocates its
+# all-gather output on a stream of its own ("all_gather_copy_in_stream", torch/distributed/fsdp/
+# _fully_shard/_fsdp_collectives.py foreach_all_gather), and the caching allocator never shares cached
+# blocks across streams. Everything else is the default stream (0). Not modelled: the reduce-scatter
+# stream of FSDP2's output gradients and NCCL's internal streams (DDP's buckets live on the default stream).
+FSDP_ALL_GATHER_STREAM = 1
+
+
+def _stream_of(event) -> int:
+    parent = event.parent
+    while parent is not None:
+        name = parent.name
+        if name.startswith("FSDP::all_gather") and not name.startswith("FSDP::all_gather_copy_out"):
+            return FSDP_ALL_GATHER_STREAM
+        parent = parent.parent
+    return 0
+
+
 class _AllocatorPeak:
     """The CPU allocator's own running total: ``torch.profiler`` with ``profile_memory=True`` records
     every allocation with the c10 allocator's total since the profiler started; ``peak_bytes`` is the
-    largest (0 if nothing was allocated). What was alive at the start must be added by the caller."""
+    largest (0 if nothing was allocated). What was alive at the start must be added by the caller.
+    ``events``: the same allocations and frees in time order as trace events (``harness.alloc``'s format);
+    the profiler does not see frees of blocks allocated before it started, so those stay alive."""
 
     def __enter__(self) -> _AllocatorPeak:
         from torch.profiler import ProfilerActivity, profile
 
         self.peak_bytes = 0
+        self.events: list[dict[str, Any]] = []
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._prof.__enter__()
         return self
@@ -116,11 +137,70 @@ class _AllocatorPeak:
 
         self._prof.__exit__(*exc)
         stack = list(self._prof.profiler.kineto_results.experimental_event_tree())
+        found = []
         while stack:
             event = stack.pop()
             stack.extend(event.children)
             if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
-                self.peak_bytes = max(self.peak_bytes, int(event.extra_fields.total_allocated))
+                f = event.extra_fields
+                self.peak_bytes = max(self.peak_bytes, int(f.total_allocated))
+                found.append((event.start_time_ns, len(found), int(f.ptr), int(f.alloc_size), event))
+        sizes: dict[int, tuple[int, int]] = {}
+        self.inferred_frees = 0
+        for t_ns, _, ptr, size, event in sorted(found, key=lambda e: e[:2]):
+            if size > 0:
+                if ptr in sizes:
+                    # An address handed out again proves the block was freed, though no free was seen
+                    # before it in time order (events of the autograd thread and the main thread that
+                    # share a timestamp, seen on DDP and FSDP2 points): the free goes here.
+                    old, old_stream = sizes.pop(ptr)
+                    self.events.append(_trace_event("free_completed", ptr, old, old_stream, t_ns))
+                    self.inferred_frees += 1
+                stream = _stream_of(event)
+                sizes[ptr] = (size, stream)
+                self.events.append(_trace_event("alloc", ptr, size, stream, t_ns))
+            elif ptr in sizes:
+                size, stream = sizes.pop(ptr)
+                self.events.append(_trace_event("free_completed", ptr, size, stream, t_ns))
+
+
+def _trace_event(action: str, addr: int, size: int, stream: int, time_ns: int = 0) -> dict[str, Any]:
+    """One event as in ``torch.cuda.memory._snapshot()["device_traces"][i]``."""
+    return {
+        "action": action,
+        "addr": addr,
+        "size": size,
+        "stream": stream,
+        "time_us": time_ns // 1000,
+        "frames": [],
+    }
+
+
+def live_storages(device: torch.device) -> list[tuple[int, int]]:
+    """(address, bytes) of every tensor storage alive on ``device`` that Python can reach (DTensors by
+    their local shard, fake tensors included), in the garbage collector's order (roughly creation order)."""
+    import gc
+
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.distributed.tensor import DTensor
+
+    gc.collect()
+    seen, out = set(), []
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), torch.Tensor):
+            continue
+        t = obj._local_tensor if isinstance(obj, DTensor) else obj
+        if not (type(t) in (torch.Tensor, nn.Parameter) or isinstance(t, FakeTensor)):
+            continue
+        if t.device != device or t.is_meta:
+            continue
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if st.nbytes() == 0 or ptr in seen:
+            continue
+        seen.add(ptr)
+        out.append((ptr, st.nbytes()))
+    return out
 
 
 class PeakMemory:
@@ -141,6 +221,7 @@ class PeakMemory:
         self.optimizer = optimizer
         self.tracker = None
         self._result: dict[str, Any] = {}
+        self.trace: dict[str, Any] | None = None  # the step's allocation trace, a snapshot-shaped dict
 
     @contextlib.contextmanager
     def measure(self) -> Iterator[None]:
@@ -161,6 +242,11 @@ class PeakMemory:
                 "device_used_bytes": total - free,
                 "categories": {},
             }
+            if _cuda_history:  # see start_cuda_history
+                snap = torch.cuda.memory._snapshot()
+                events = snap["device_traces"][self.device.index or 0]
+                self.trace = {"segments": snap["segments"], "device_traces": [events]}
+                self._result.update(simulated(events))
             return
         tracker = _tracker_class()()
         tracker.track_external(*self.modules, *_optimizers(self.optimizer))
@@ -170,6 +256,7 @@ class PeakMemory:
         # turns "grads" when backward hands out its views.
         tracker.track_external(*_untracked_live_tensors(tracker, self.device))
         baseline = int(tracker.get_tracker_snapshot().get(self.device, {}).get("Total", 0))
+        start_live = live_storages(self.device) if self.allocator else []
         self.tracker = tracker
         allocator = _AllocatorPeak() if self.allocator else contextlib.nullcontext()
         with allocator, tracker:
@@ -195,10 +282,56 @@ class PeakMemory:
                 "peak_allocated_bytes": total,
                 "tracker_peak_bytes": tracked,
             }
+            events = step_trace(start_live, allocator.events)
+            self.trace = {"segments": [], "device_traces": [events]}
+            self._result.update(simulated(events))
         self._result["categories"] = categories
 
     def result(self) -> dict[str, Any]:
         return dict(self._result)
+
+
+def step_trace(start_live: list[tuple[int, int]], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The measured step as one trace: what was alive at its start first, as allocations, then the
+    step's own events. The profiler does not report frees of blocks made before it started; an address
+    allocated again proves the earlier block was freed, so its free is inserted there."""
+    out = [_trace_event("alloc", ptr, size, 0) for ptr, size in start_live]
+    before = {ptr: size for ptr, size in start_live}
+    for ev in events:
+        if ev["action"] == "alloc" and ev["addr"] in before:
+            out.append(
+                _trace_event("free_completed", ev["addr"], before.pop(ev["addr"]), 0, ev["time_us"] * 1000)
+            )
+        out.append(ev)
+    return out
+
+
+def simulated(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The step's trace replayed through the CUDA caching-allocator model (harness/alloc.py): the
+    reserved peak a GPU would show and its fragmentation, no capacity (out of memory is judged later)."""
+    from harness.alloc import replay
+
+    r = replay(events)
+    return {
+        "sim_peak_allocated_bytes": r.peak_allocated_bytes,
+        "sim_peak_reserved_bytes": r.peak_reserved_bytes,
+        "sim_fragmentation_bytes": r.fragmentation_bytes,
+        "trace_events": r.num_events,
+    }
+
+
+_cuda_history = False  # whether start_cuda_history ran in this (rank) process
+
+
+def start_cuda_history(*, stacks: bool = False) -> None:
+    """Record the CUDA caching allocator's history from here on (call before the model is built, so the
+    trace holds every block the measured steps see). ``stacks``: Python frames for memory_viz (costs
+    time); without them only sizes and addresses are kept."""
+    torch.cuda.memory._record_memory_history(
+        context="all" if stacks else None, stacks="python", max_entries=5_000_000
+    )
+    global _cuda_history
+    _cuda_history = True
 
 
 def cpu_peak_tflops(dtype: torch.dtype, *, size: int = 512, repeats: int = 3) -> float:

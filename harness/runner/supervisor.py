@@ -165,6 +165,7 @@ def run_point(
     rank_fn=None,
     keep_dir: Path | None = None,
     task: Task | None = None,
+    artifacts: dict[str, Any] | None = None,
 ) -> dict[str, Any] | None:
     """Run ``spec`` once and return its record. ``rank_fn(rank, spec, port=, out_dir=, timeout_s=,
     master_addr=, local_rank=, local_world=)`` is the per-rank entry point (the real worker by default;
@@ -172,6 +173,8 @@ def run_point(
 
     With ``task`` (one of several tasks of a point wider than a node) this process runs its block of
     ranks; task 0 waits for the others' outcomes and returns the record, the others return None.
+    ``artifacts``: files each rank writes beside the record (keyword arguments of the worker:
+    ``trace_dir``, ``write_trace`` for ``run.trace``, ``memory_snapshot`` for ``run.memory_snapshot``).
     """
     task = task or Task()
     if task.count > 1 and task.shared_dir is None:
@@ -191,7 +194,7 @@ def run_point(
     with tempfile.TemporaryDirectory(prefix="harness-point-") as tmp:
         out_dir = task.shared_dir or keep_dir or Path(tmp)
         out_dir.mkdir(parents=True, exist_ok=True)
-        outcome = _run_ranks(spec, mine, task, rank_fn, out_dir, timeout_s)
+        outcome = _run_ranks(spec, mine, task, rank_fn, out_dir, timeout_s, artifacts or {})
         if task.count > 1:
             write_json(_task_file(out_dir, task.index), outcome)
         if task.index > 0:
@@ -204,7 +207,9 @@ def run_point(
         return record
 
 
-def _run_ranks(spec: RunSpec, mine: range, task: Task, rank_fn, out_dir: Path, timeout_s: float) -> dict:
+def _run_ranks(
+    spec: RunSpec, mine: range, task: Task, rank_fn, out_dir: Path, timeout_s: float, artifacts: dict
+) -> dict:
     """Fork this task's ranks, wait for them within the timeout, reap them all; their exit codes."""
     ctx = multiprocessing.get_context("fork")
     port = task.port or free_port()
@@ -223,6 +228,7 @@ def _run_ranks(spec: RunSpec, mine: range, task: Task, rank_fn, out_dir: Path, t
                 "master_addr": task.master_addr,
                 "local_rank": first_local + r - mine.start,
                 "local_world": node_world,
+                **artifacts,  # only when asked: injected test rank functions do not take them
             },
             daemon=True,
         )

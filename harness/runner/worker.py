@@ -8,6 +8,8 @@ error, a Python exception with its first line); the supervisor covers what a ran
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import statistics
 import time
@@ -19,12 +21,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness.runner.measure import PeakMemory, cpu_peak_tflops
+from harness.runner.measure import PeakMemory, cpu_peak_tflops, start_cuda_history
 from harness.runner.model import Llama
 from harness.runner.parallel.compose import MESH_DIMS, parallelize, train_step
 from harness.runner.parallel.context import shard_sequence
 from harness.runner.supervisor import write_json
-from harness.specs import RunSpec
+from harness.specs import RunSpec, spec_id
 
 WARMUP_STEPS = 1  # AdamW's state appears at the first optimizer.step(): measure from the second step on
 DATA_SEED = 1234
@@ -71,10 +73,16 @@ def run_rank(
     master_addr: str = "127.0.0.1",
     local_rank: int | None = None,
     local_world: int | None = None,
+    trace_dir: Path | None = None,
+    write_trace: bool = False,
+    memory_snapshot: bool = False,
 ) -> None:
     """The worker's entry point (never raises: the outcome is the JSON file and the exit code).
     ``rank`` is global; ``local_rank`` of ``local_world`` places it on this node (default: every rank
-    on this node)."""
+    on this node). ``write_trace``: write the measured step's allocation trace to ``trace_dir`` as
+    ``<config_id>.rank<r>.trace.json``; ``memory_snapshot`` (CUDA): dump PyTorch's memory snapshot there
+    (``<config_id>.rank<r>.snapshot.pickle``, for memory_viz) after the measured steps or at an
+    out-of-memory."""
     out = out_dir / f"rank{rank}.json"
     world = spec.parallel.world
     result: dict[str, Any] = {"rank": rank}
@@ -94,12 +102,24 @@ def run_rank(
             torch.cuda.set_device(device)
             result["cuda_memory_fraction"] = emulate_capacity(spec, device, local_world)
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
-        result.update(_run(spec, device))
+        artifacts = _Artifacts(
+            spec,
+            rank,
+            trace_dir if write_trace else None,
+            trace_dir,
+            memory_snapshot and device.type == "cuda",
+        )
+        if device.type == "cuda":
+            start_cuda_history(stacks=artifacts.snapshot)
+        result.update(_run(spec, device, artifacts))
         write_json(out, result)
         dist.destroy_process_group()
         os._exit(0)
     except BaseException as exc:
         oom = isinstance(exc, torch.OutOfMemoryError)
+        if oom and memory_snapshot and trace_dir is not None and torch.cuda.is_available():
+            with contextlib.suppress(Exception):  # forensics must not hide the out-of-memory itself
+                result["memory_snapshot"] = _Artifacts(spec, rank, None, trace_dir, True).dump_snapshot("oom")
         lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
         result.update(
             error=f"{type(exc).__name__}: {lines[0] if lines else ''}"[:500],
@@ -110,7 +130,37 @@ def run_rank(
         os._exit(3 if oom else 1)
 
 
-def _run(spec: RunSpec, device: torch.device) -> dict[str, Any]:
+class _Artifacts:
+    """Files a rank writes beside the record on request: its allocation trace, its memory snapshot."""
+
+    def __init__(
+        self, spec: RunSpec, rank: int, trace_dir: Path | None, snapshot_dir: Path | None, snapshot: bool
+    ):
+        self.trace_dir = Path(trace_dir) if trace_dir is not None else None
+        self.dir = Path(snapshot_dir) if snapshot_dir is not None else None
+        self.snapshot = snapshot and self.dir is not None
+        self.stem = f"{spec_id(spec)}.rank{rank}"
+
+    def write_trace(self, trace: dict[str, Any] | None) -> str | None:
+        if self.trace_dir is None or trace is None:
+            return None
+        path = self.trace_dir / f"{self.stem}.trace.json"
+        self.trace_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(trace))
+        os.replace(tmp, path)
+        return str(path)
+
+    def dump_snapshot(self, when: str) -> str | None:
+        if not self.snapshot:
+            return None
+        path = self.dir / f"{self.stem}.{when}.snapshot.pickle"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(str(path))
+        return str(path)
+
+
+def _run(spec: RunSpec, device: torch.device, artifacts: _Artifacts | None = None) -> dict[str, Any]:
     p, t = spec.parallel, spec.train
     mesh = dist.device_mesh.init_device_mesh(device.type, (p.pp, p.dp, p.cp, p.tp), mesh_dim_names=MESH_DIMS)
     torch.manual_seed(MODEL_SEED)
@@ -148,6 +198,12 @@ def _run(spec: RunSpec, device: torch.device) -> dict[str, Any]:
     else:  # the CUDA allocator's statistics cost nothing: the timed steps are the measured ones
         with memory.measure():
             timed = _timed_steps(step, t.steps - WARMUP_STEPS, device)
+    extra: dict[str, Any] = {}
+    if artifacts is not None:
+        extra = {
+            "trace_file": artifacts.write_trace(memory.trace),
+            "memory_snapshot": artifacts.dump_snapshot("peak"),
+        }
     losses += [loss for loss, _ in timed]
     times = [seconds for _, seconds in timed]
     losses = _global_losses(losses, mesh, is_last=par.is_last)
@@ -158,6 +214,7 @@ def _run(spec: RunSpec, device: torch.device) -> dict[str, Any]:
         "step_time_s": statistics.median(times) if times else float("nan"),
         "build_s": build_s,
         **memory.result(),
+        **{k: v for k, v in extra.items() if v is not None},
     }
     if device.type == "cpu" and dist.get_rank() == 0:
         out["cpu_peak_tflops"] = cpu_peak_tflops(torch.bfloat16 if t.precision == "bf16" else torch.float32)
