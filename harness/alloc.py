@@ -23,7 +23,10 @@ range) — each rule cites the function it comes from:
 - ``malloc``: no cached block fits → open a segment; if that exceeds the capacity, release cached
   oversize blocks (``release_available_cached_blocks``, only with ``max_split_size``) and retry, then
   release every cached segment that holds no live block (``release_cached_blocks``) and retry — that
-  last retry counts in ``num_alloc_retries``; if it still fails, ``num_ooms`` counts an out-of-memory.
+  last retry counts in ``num_alloc_retries`` whether or not anything was released; if it still fails,
+  ``num_ooms`` counts an out-of-memory. Zero-byte requests never reach ``malloc`` (``allocate``).
+- Ties among equal-size free blocks: the lowest address (``BlockComparatorSize``; newer versions the
+  oldest segment first) — this model hands out addresses in segment-creation order, so both agree.
 - expandable segments (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``): one growing segment per
   (stream, pool) that maps pages (2 MiB small pool, 20 MiB large pool) at its end as needed; a request
   that fits no free block extends the segment's trailing free block; releasing unmaps the trailing free
@@ -150,9 +153,9 @@ class CachingAllocator:
     ):
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes={capacity_bytes} must be > 0 (or None: unlimited)")
-        if max_split_size_mb is not None and max_split_size_mb * (1 << 20) <= KLARGE_BUFFER:
-            # CUDAAllocatorConfig::parseMaxSplitSize refuses values at or below kLargeBuffer (20 MiB).
-            raise ValueError(f"max_split_size_mb={max_split_size_mb} must be > 20 (the allocator's minimum)")
+        if max_split_size_mb is not None and max_split_size_mb * (1 << 20) < KLARGE_BUFFER:
+            # The allocator's config parser refuses values below kLargeBuffer (min_allowed_split_size_mb).
+            raise ValueError(f"max_split_size_mb={max_split_size_mb} must be >= 20 (the allocator's minimum)")
         self.capacity = capacity_bytes
         self.max_split = int(max_split_size_mb * (1 << 20)) if max_split_size_mb is not None else None
         self.expandable = expandable_segments
@@ -238,6 +241,7 @@ class CachingAllocator:
         if tail_free:
             self._uncache(last)
             last.size += need
+            seg.size += need
             return last
         block = Block(addr=seg.addr + seg.size, size=need, segment=seg, prev=last)
         if last is None:
@@ -252,17 +256,14 @@ class CachingAllocator:
         del self.segments[seg.addr]
         self.reserved -= seg.size
 
-    def _release_cached(self) -> bool:
+    def _release_cached(self) -> None:
         """``release_cached_blocks``: free every segment that holds no live block (and unmap the
-        trailing free pages of expandable segments). True if anything was released."""
-        released = False
+        trailing free pages of expandable segments)."""
         for seg in list(self.segments.values()):
             if seg.expandable:
-                released |= self._unmap_tail(seg)
+                self._unmap_tail(seg)
             elif seg.first.next is None and not seg.first.allocated:
                 self._release_segment(seg)
-                released = True
-        return released
 
     def _unmap_tail(self, seg: Segment) -> bool:
         page = KSMALL_BUFFER if seg.small else KLARGE_BUFFER
@@ -332,8 +333,11 @@ class CachingAllocator:
                 block = self._open_segment(rounded, stream, small)
             if block is None and self._release_oversize(rounded, stream, small):
                 block = self._retry_open(rounded, stream, small)
-            if block is None and self._release_cached():
-                self.retries += 1  # alloc_block(..., isRetry=true)
+            if block is None:
+                # release_cached_blocks always returns true, so the third attempt is always made and
+                # counted (alloc_block(..., isRetry=true) counts before its capacity check).
+                self._release_cached()
+                self.retries += 1
                 block = self._retry_open(rounded, stream, small)
             if block is None:
                 self.ooms += 1
@@ -424,7 +428,7 @@ def replay(
         max_split_size_mb=max_split_size_mb,
         expandable_segments=expandable_segments,
     )
-    live: dict[int, Block] = {}
+    live: dict[int, Block | None] = {}
     res = ReplayResult()
     i = -1
     for i, ev in enumerate(events):
@@ -441,6 +445,9 @@ def replay(
                 raise TraceError(f"event {i} (alloc at {addr:#x}): size {size!r} must be an integer >= 0")
             if addr in live:
                 raise TraceError(f"event {i}: alloc at {addr:#x}, which is already allocated")
+            if size == 0:  # never reaches the allocator (and its free is ignored with it)
+                live[addr] = None
+                continue
             try:
                 live[addr] = a.malloc(size, stream if stream is not None else 0)
             except OutOfMemory:
@@ -455,10 +462,11 @@ def replay(
                 res.allocated_at_reserved_peak_bytes = a.allocated
                 res.reserved_peak_event = i
         else:
-            block = live.pop(addr, None)
-            if block is None:
+            if addr not in live:
                 raise TraceError(f"event {i}: free_completed at {addr:#x}, which was never allocated")
-            a.free_block(block)
+            block = live.pop(addr)
+            if block is not None:
+                a.free_block(block)
         if stop_at is not None and i >= stop_at:
             res.segments_at_reserved_peak = a.segments_table()
             break
