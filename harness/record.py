@@ -68,6 +68,8 @@ def estimate_fields(spec: RunSpec) -> dict[str, Any]:
     est = estimate(spec, engine="torch")
     out = {f"est_{k}_bytes": est.worst.terms[k] for k in TERMS}
     out["est_total_bytes"] = est.total_bytes
+    out["est_reserved_total_bytes"] = est.reserved_total_bytes
+    out["est_device_total_bytes"] = est.device_total_bytes
     out["est_worst_stage"] = est.worst.stage
     out["est_utilisation"] = est.utilisation
     return out

@@ -88,7 +88,9 @@ class TrainSpec:
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """A device preset: capacity in GiB (2^30 bytes) and dense BF16 peak in TFLOP/s (None = unknown)."""
+    """A device preset: capacity in GiB (2^30 bytes), dense BF16 peak in TFLOP/s (None = unknown), links,
+    and the memory a process uses beside its tensors (none of these but ``name`` and ``memory_gib`` enter
+    the ``config_id``)."""
 
     name: str
     memory_gib: float
@@ -96,6 +98,11 @@ class DeviceSpec:
     gpus_per_node: int = 8
     intra_node_gbps: float | None = None
     inter_node_gbps: float | None = None
+    # Memory beside the tensors (harness/estimate/levels.py), cited in each preset: the CUDA context and
+    # NCCL's buffers live outside the caching allocator, cuBLAS's workspaces inside it. 0 on the CPU.
+    cuda_context_mib: float = 0.0
+    nccl_mib_per_communicator: float = 0.0
+    cublas_workspace_mib: float = 0.0
 
     @property
     def memory_bytes(self) -> int:

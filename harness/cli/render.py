@@ -70,14 +70,20 @@ def estimate_table(
     lines.append(f"{'peak (see below)':<22}" + "".join(f"{gib(est.stages[i].total_bytes):>11}" for i in cols))
     if len(cols) < len(est.stages):
         lines.append(f"({len(est.stages)} stages; format=json lists every one)")
-    util = est.utilisation
+    util = est.device_utilisation
     verdict = "fits" if util <= threshold else "does NOT fit"
+    reserved = est.reserved_terms()
     lines += [
         "",
         "peak = params + grads + optimizer + max(activations and buffers, optimizer step)",
         f"most-loaded rank: stage {est.worst.stage}, {gib(est.total_bytes)} GiB of "
-        f"{gib(est.capacity_bytes)} GiB = {util:.1%}"
-        + ("" if calibrated_bytes is not None else f" → {verdict} (threshold {threshold:.0%})"),
+        f"{gib(est.capacity_bytes)} GiB = {est.utilisation:.1%} allocated (the tensors)",
+        f"reserved by the caching allocator: {gib(est.reserved_total_bytes)} GiB (segment rounding "
+        f"{gib(reserved['segment_rounding'])}, cuBLAS workspace {gib(reserved['cublas_workspace'])}; "
+        "fragmentation: calibration=PROFILE)",
+        f"device level (what runs out): {gib(est.device_total_bytes)} GiB = {util:.1%}"
+        + ("" if calibrated_bytes is not None else f" → {verdict} (threshold {threshold:.0%})")
+        + f" (CUDA context {gib(est.outside_terms['cuda_context'])}, NCCL {gib(est.outside_terms['nccl'])})",
     ]
     if calibrated_bytes is not None:
         cal_util = calibrated_bytes / est.capacity_bytes

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 from harness.estimate import activations as act
 from harness.estimate import buffers as buf
+from harness.estimate import levels
 from harness.estimate import states as st
 from harness.estimate.flops import model_flops_per_step
 from harness.estimate.paper import IGNORED_FIELDS, paper_terms
@@ -82,7 +83,37 @@ class Estimate:
 
     @property
     def total_bytes(self) -> int:
+        """The allocated level: the tensors alive at the most-loaded rank's peak."""
         return self.worst.total_bytes
+
+    def reserved_terms(self, stage: StageEstimate | None = None) -> dict[str, int]:
+        """The reserved level's terms (levels.RESERVED_TERMS) of ``stage`` (default: the reserved worst)."""
+        return levels.reserved_terms(self.spec, (stage or self.reserved_worst).terms)
+
+    @property
+    def reserved_worst(self) -> StageEstimate:
+        """The stage whose reserved level is highest (the allocated worst on the CPU, where it adds 0)."""
+        return max(self.stages, key=lambda s: s.total_bytes + sum(self.reserved_terms(s).values()))
+
+    @property
+    def reserved_total_bytes(self) -> int:
+        """The reserved level: allocated plus what the caching allocator's segments add (uncalibrated:
+        segment rounding and cuBLAS workspaces; calibration adds the fitted fragmentation)."""
+        worst = self.reserved_worst
+        return worst.total_bytes + sum(self.reserved_terms(worst).values())
+
+    @property
+    def outside_terms(self) -> dict[str, int]:
+        return levels.outside_terms(self.spec)
+
+    @property
+    def outside_allocator_bytes(self) -> int:
+        return sum(self.outside_terms.values())
+
+    @property
+    def device_total_bytes(self) -> int:
+        """The device level, what runs out: reserved plus the CUDA context and NCCL's buffers."""
+        return self.reserved_total_bytes + self.outside_allocator_bytes
 
     @property
     def capacity_bytes(self) -> int:
@@ -90,8 +121,13 @@ class Estimate:
 
     @property
     def utilisation(self) -> float:
-        """Predicted peak over the device's capacity."""
+        """Predicted allocated peak over the device's capacity (the paper's utilisation)."""
         return self.total_bytes / self.capacity_bytes
+
+    @property
+    def device_utilisation(self) -> float:
+        """Predicted device level over the capacity: what the verdict is based on."""
+        return self.device_total_bytes / self.capacity_bytes
 
     def as_record(self, *, threshold: float | None = None) -> dict[str, Any]:
         """Flat JSON-ready fields: ``<term>_bytes`` of the worst stage, totals, and every stage."""
@@ -108,11 +144,17 @@ class Estimate:
         out["states_bytes"] = sum(worst.terms[k] for k in STATE_TERMS)
         out["temporaries_bytes"] = sum(worst.terms[k] for k in BUFFER_TERMS + STEP_TERMS)
         out["total_bytes"] = self.total_bytes
+        out.update({f"{k}_bytes": v for k, v in self.reserved_terms().items()})
+        out["reserved_total_bytes"] = self.reserved_total_bytes
+        out.update({f"{k}_bytes": v for k, v in self.outside_terms.items()})
+        out["outside_allocator_bytes"] = self.outside_allocator_bytes
+        out["device_total_bytes"] = self.device_total_bytes
         out["capacity_bytes"] = self.capacity_bytes
         out["utilisation"] = self.utilisation
+        out["device_utilisation"] = self.device_utilisation
         if threshold is not None:
             out["threshold"] = threshold
-            out["fits"] = self.utilisation <= threshold
+            out["fits"] = self.device_utilisation <= threshold
         out["flops_per_step"] = self.flops_per_step
         out["flops_convention"] = self.flops_convention
         out["stages"] = [

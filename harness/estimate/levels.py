@@ -1,0 +1,69 @@
+"""The reserved and device levels above the allocated peak: what a GPU's caching allocator and the
+process around it add to the tensors every engine counts.
+
+Three levels (ARCHITECTURE.md, issue 13): *allocated* (the tensors alive at the peak: ``total_bytes``,
+what ``torch.cuda.max_memory_allocated`` and the CPU instrument measure), *reserved* (the caching
+allocator's segments: allocated plus the rounding of its segments and the cuBLAS workspaces it holds;
+fragmentation beyond that is fitted by calibration from replayed or measured reserved peaks), and
+*device* (reserved plus what lives outside the allocator: the CUDA context and NCCL's buffers). A run
+runs out of memory when the device level reaches the capacity. Every constant is a device preset's field
+(sweeps/device/*.yaml), cited there; the CPU has none of them (all zero).
+"""
+
+from __future__ import annotations
+
+from harness.specs import RunSpec
+
+MIB = 1 << 20
+RESERVED_TERMS = ("segment_rounding", "cublas_workspace")
+OUTSIDE_TERMS = ("cuda_context", "nccl")
+# Temporary buffers that are one tensor each, allocated and freed once per use: the caching allocator
+# opens a segment of their own for them when no cached block is large enough.
+SINGLE_BUFFERS = ("logits", "loss", "fsdp_allgather", "tp_allgather", "cp_kv_allgather", "optimizer_step")
+KROUND_LARGE = 2 * MIB  # c10/cuda/CUDACachingAllocator.cpp: segments of >= 10 MiB round up to 2 MiB
+KMIN_LARGE_ALLOC = 10 * MIB
+
+
+def segment_rounding(terms: dict[str, int]) -> int:
+    """What the segments of the single large buffers reserve beyond them: a buffer of at least 10 MiB
+    gets a segment rounded up to 2 MiB (``get_allocation_size``), the tail unusable by anything larger.
+    Smaller buffers share 20 MiB segments whose split-off remainders serve later requests, so they add
+    nothing here. A lower bound: how freed blocks interleave with live ones (the main source of
+    fragmentation) depends on the order of allocations, which the replay of a trace sees and
+    calibration fits (``sim_fragmentation_bytes``)."""
+    out = 0
+    for name in SINGLE_BUFFERS:
+        b = terms.get(name, 0)
+        if b >= KMIN_LARGE_ALLOC:
+            out += -(-b // KROUND_LARGE) * KROUND_LARGE - b
+    return out
+
+
+def communicators(spec: RunSpec) -> int:
+    """NCCL communicators a rank holds: one per process group it runs collectives on, created lazily at
+    the first one (torch's ProcessGroupNCCL): the world group (the runner's loss all-reduce, barriers)
+    and each parallel axis of degree > 1 — data parallel, tensor parallel, context parallel, pipeline
+    (send/recv between neighbours) — plus FSDP's flattened dp×cp group when both are > 1."""
+    p = spec.parallel
+    if p.world == 1:
+        return 0
+    axes = sum(d > 1 for d in (p.dp, p.tp, p.pp, p.cp))
+    return 1 + axes + (p.dp > 1 and p.cp > 1)
+
+
+def reserved_terms(spec: RunSpec, terms: dict[str, int]) -> dict[str, int]:
+    """The reserved level's own terms for one stage (bytes)."""
+    d = spec.device
+    return {
+        "segment_rounding": segment_rounding(terms) if d.name != "cpu" else 0,
+        "cublas_workspace": round(d.cublas_workspace_mib * MIB),
+    }
+
+
+def outside_terms(spec: RunSpec) -> dict[str, int]:
+    """The device level's terms (bytes): memory the process uses outside the caching allocator."""
+    d = spec.device
+    return {
+        "cuda_context": round(d.cuda_context_mib * MIB),
+        "nccl": round(d.nccl_mib_per_communicator * MIB) * communicators(spec),
+    }
