@@ -10,6 +10,13 @@ its predicted peak lies between 40 and 80 GB, run once as an emulated A100 40 GB
 fraction capped: a real ``torch.OutOfMemoryError`` is expected) and once as an emulated 80 GB card
 (expected to fit). Prints one line per point and writes every record to DIR/gpu_check.json (DIR: $OUT
 if set, else results/gpu_check).
+
+The caching-allocator model (issue 13) is judged on the same points: every rank records the allocator's
+own history (``run.trace``), and replaying that real trace through ``harness.alloc`` must give the
+measured ``max_memory_reserved`` exactly; one FP32 point is also run on the CPU, and the replay of its
+CPU-recorded trace must come within 5 % of the GPU's reserved peak. The memory outside the allocator
+(``device_used_bytes`` minus reserved on the one-rank point: CUDA context and libraries) is printed
+beside the device preset's ``cuda_context_mib``.
 """
 
 from __future__ import annotations
@@ -21,11 +28,13 @@ import sys
 import time
 from pathlib import Path
 
+from harness.alloc import load_trace, replay
 from harness.cli.config import compose, run_spec
 from harness.estimate import estimate
 from harness.runner.supervisor import run_point
 
 GIB = 2**30
+FP32 = ["train.precision=fp32"]
 BIG = ["model=llama3_8b", "model.num_layers=2", "train.seq_len=4096", "train.precision=bf16", "train.steps=3"]
 
 
@@ -44,6 +53,7 @@ def points() -> list[tuple[str, list[str], str]]:
     small = ["model=medium", "train.seq_len=1024", "train.micro_batch_size=4", "train.steps=3"]
     return [
         ("small, 1 rank", [*small, "device=h200_141gb"], "ok"),
+        ("small FP32, 1 rank (traced on GPU and CPU)", [*small, *FP32, "device=h200_141gb"], "ok"),
         (
             "small, dp2 FSDP, 2 ranks on 1 GPU (gloo)",
             [*small, "device=h200_141gb", "parallel.dp=2", "parallel.zero_stage=3"],
@@ -63,6 +73,50 @@ def points() -> list[tuple[str, list[str], str]]:
     ]
 
 
+def check_replay(record: dict, overrides: list[str]) -> bool:
+    """The real traces replayed must give the measured reserved peak exactly; for the FP32 point, the
+    CPU-recorded trace of the same point must come within 5 %."""
+    files = record.get("trace_files") or []
+    real = record.get("peak_reserved_bytes")
+    if not files or real is None:
+        print("  FAIL replay: no trace recorded")
+        return False
+    replayed = max(replay(load_trace(f)).peak_reserved_bytes for f in files)
+    exact = replayed == real
+    print(
+        f"  {'PASS' if exact else 'FAIL'} replay of the real trace: {replayed} B vs measured {real} B "
+        f"({(replayed - real) / real:+.3%})"
+    )
+    if record.get("parallel_world_size") == 1 and record.get("device_used_bytes"):
+        outside = record["device_used_bytes"] - real
+        preset = record.get("device_cuda_context_mib")
+        print(
+            f"  outside the allocator (device used - reserved): {outside / 2**20:.0f} MiB "
+            f"(preset cuda_context_mib {preset})"
+        )
+    if "train.precision=fp32" not in overrides:
+        return exact
+    cpu = [o for o in overrides if not o.startswith("device=")] + ["device=cpu", "device.memory_gib=1000"]
+    cpu_record = run_point(run_spec(compose(cpu)), timeout_s=300)
+    sim = cpu_record.get("sim_peak_reserved_bytes")
+    close = sim is not None and abs(sim - real) <= 0.05 * real
+    print(
+        f"  {'PASS' if close else 'FAIL'} CPU-recorded trace replayed: {sim} B vs GPU reserved {real} B"
+        + (f" ({(sim - real) / real:+.2%})" if sim else f"; {cpu_record.get('error')}")
+    )
+    record["cpu_counterpart"] = {
+        k: cpu_record.get(k)
+        for k in (
+            "status",
+            "peak_allocated_bytes",
+            "sim_peak_allocated_bytes",
+            "sim_peak_reserved_bytes",
+            "sim_fragmentation_bytes",
+        )
+    }
+    return exact and close
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or "results/gpu_check")
@@ -73,10 +127,13 @@ def main() -> int:
         print("no CUDA device: nothing to check")
         return 2
     print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    out = Path(args.out)
+    traces = out / "traces"
     records, failures = [], 0
     for name, overrides, expected in points():
         start = time.perf_counter()
-        record = run_point(run_spec(compose(overrides)), timeout_s=150)
+        artifacts = {"trace_dir": traces, "write_trace": True, "memory_snapshot": False}
+        record = run_point(run_spec(compose(overrides)), timeout_s=150, artifacts=artifacts)
         record["check_name"], record["check_expected"] = name, expected
         records.append(record)
         peak = record.get("peak_allocated_bytes")
@@ -91,6 +148,9 @@ def main() -> int:
             f"{time.perf_counter() - start:.0f} s; {record.get('error') or ''}",
             flush=True,
         )
+        if record["status"] == "ok":
+            failures += not check_replay(record, overrides)
+    (out / "gpu_check.json").parent.mkdir(parents=True, exist_ok=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_check.json").write_text(json.dumps(records, indent=1, default=str))
