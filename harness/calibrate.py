@@ -5,8 +5,8 @@ The fit reads as "activations x 1.07 + logits x 1.31 + ... + 12 MiB": one non-ne
 term of the estimator's peak (ESTIMATOR.md section 4: the temporary buffers are the terms calibration is
 for), plus a constant, fitted by least squares on the *relative* error (each run weighted by
 1/measured^2), because users read errors as percentages and peaks span two orders of magnitude. Where
-the device reports reserved memory (CUDA), a second fit maps allocated to reserved - allocated
-(fragmentation plus cache, ESTIMATOR.md section 5).
+runs report a reserved peak (measured on CUDA, or replayed from a CPU run's trace), a second fit adds
+the fragmentation (harness/fragmentation.py), judged held out at the reserved level.
 
 No torch here; scikit-learn for the regression and the grouped folds.
 """
@@ -27,6 +27,7 @@ from sklearn.model_selection import GroupKFold
 from sklearn.utils.validation import check_is_fitted
 
 from harness import __version__
+from harness import fragmentation as frag
 from harness.estimate import TERMS, estimate
 from harness.estimate.core import STATE_TERMS, STEP_TERMS, Estimate
 from harness.specs import InvalidSpec, RunSpec, from_flat
@@ -246,9 +247,14 @@ def evaluate(frame: pd.DataFrame, *, engine: str = "torch", group_by: str = "wor
     predictions = {name: data.raw_bytes[name] for name in ENGINES_COMPARED}
     predictions["calibrated"] = held_out
     metrics = {name: accuracy(data, predictions[name]) for name in ESTIMATORS}
-    return Evaluation(
-        data, engine, group_by, predictions, metrics, final, np.array(coefs), _fragmentation(data)
+    reserved = frag.evaluate_reserved(
+        data.frame, X, held_out, measured=measured, groups=groups, capacity=data.capacity
     )
+    fragmentation = None
+    if reserved is not None:
+        fragmentation = reserved.model.as_profile(target=reserved.target, metrics=reserved.metrics)
+        predictions["calibrated_reserved"] = reserved.predicted
+    return Evaluation(data, engine, group_by, predictions, metrics, final, np.array(coefs), fragmentation)
 
 
 def accuracy(data: Dataset, predicted: np.ndarray) -> dict[str, Any]:
@@ -277,28 +283,6 @@ def accuracy(data: Dataset, predicted: np.ndarray) -> dict[str, Any]:
         "excluded_at_safe": int((ok & (util >= safe)).sum()) if safe is not None else 0,
         "oom_below_paper_threshold": int((oom & (util <= PAPER_THRESHOLD)).sum()),
         "excluded_at_paper_threshold": int((ok & (util > PAPER_THRESHOLD)).sum()),
-    }
-
-
-def _fragmentation(data: Dataset) -> dict[str, float] | None:
-    """reserved - allocated ~ a x allocated + c on the runs whose device reports reserved memory (CUDA);
-    None when fewer than 5 do (the CPU has no caching allocator)."""
-    f = data.frame
-    if "peak_reserved_bytes" not in f:
-        return None
-    rows = (
-        data.measured
-        & f["peak_reserved_bytes"].notna().to_numpy()
-        & (f["peak_reserved_bytes"] > 0).to_numpy()
-    )
-    if rows.sum() < 5:
-        return None
-    alloc = f.loc[rows, "peak_allocated_bytes"].to_numpy(dtype=float)
-    extra = np.maximum(0.0, f.loc[rows, "peak_reserved_bytes"].to_numpy(dtype=float) - alloc)
-    reg = LinearRegression(positive=True).fit(alloc[:, None] / MIB, extra / MIB)
-    return {
-        "per_allocated_byte": float(reg.coef_[0]),
-        "constant_bytes": float(max(0.0, reg.intercept_) * MIB),
     }
 
 
@@ -350,9 +334,24 @@ class Profile:
     def stage_bytes(self, terms: dict[str, int]) -> float:
         pt = peak_terms(terms)
         alloc = sum(c * pt[k] for k, c in self.coefficients.items()) + self.constant_bytes
-        if self.fragmentation:
-            alloc += alloc * self.fragmentation["per_allocated_byte"] + self.fragmentation["constant_bytes"]
         return alloc
+
+    def stage_reserved_bytes(self, terms: dict[str, int]) -> float | None:
+        """The calibrated reserved level of one stage (None when the profile has no fragmentation fit)."""
+        f = self.fragmentation
+        if not f:
+            return None
+        pt = peak_terms(terms)
+        alloc = self.stage_bytes(terms)
+        if "per_allocated_byte" in f:  # profiles of harness 0.1 before the fragmentation model
+            return alloc + alloc * f["per_allocated_byte"] + f["constant_bytes"]
+        states = sum(self.coefficients[k] * pt[k] for k in STATE_TERMS)
+        return alloc + frag.apply(f, transient=alloc - states, states=states)
+
+    def reserved_bytes(self, est: Estimate) -> int | None:
+        """The calibrated reserved peak: the profile's fragmentation over every stage, then the max."""
+        values = [self.stage_reserved_bytes(s.terms) for s in est.stages]
+        return None if values[0] is None else round(max(values))
 
     def total_bytes(self, est: Estimate) -> int:
         """The calibrated peak of a configuration: the profile applied to every stage, then the max."""

@@ -134,12 +134,7 @@ def calibration_section(ev: Evaluation) -> list[str]:
     ]
     rows.append(["constant", f"{model.constant_bytes_ / MIB:.1f} MiB", ""])
     frag = ev.fragmentation
-    frag_line = (
-        "Fragmentation (reserved − allocated, CUDA): "
-        f"{frag['per_allocated_byte']:.3f} × allocated + {frag['constant_bytes'] / MIB:.1f} MiB."
-        if frag
-        else "Fragmentation: not fitted (no run reports reserved memory: the CPU has no caching allocator)."
-    )
+    frag_line = _fragmentation_lines(frag)
     return [
         "## Calibration profile",
         "",
@@ -239,3 +234,28 @@ def write_report(
     path = out / "report.md"
     path.write_text("\n".join(lines).rstrip() + "\n")
     return path
+
+
+def _fragmentation_lines(frag: dict | None) -> str:
+    """The fragmentation term: its fit and its held-out error at the reserved level."""
+    if not frag:
+        return (
+            "Fragmentation: not fitted (no run reports a reserved peak: neither a CUDA one nor one "
+            "replayed from a trace)."
+        )
+    h = frag["held_out"]
+    source = (
+        "measured on CUDA"
+        if frag["target"] == "peak_reserved_bytes"
+        else "replayed through the caching-allocator model from each run's own trace"
+    )
+    safe = (
+        "none ran out at the reserved level" if h["safe_threshold"] is None else f"{h['safe_threshold']:.1%}"
+    )
+    return (
+        f"Fragmentation (reserved − allocated, {source}; {h['runs']} runs): `reserved − allocated ≈ "
+        f"{frag['summary']}`. At the reserved level (calibrated allocated + fragmentation, held out): "
+        f"median APE {h['median_ape']:.2%}, p95 {h['p95_ape']:.2%}, worst under-prediction "
+        f"{h['max_under_prediction']:.2%}; safe threshold against reserved {safe}. The median run's "
+        f"reserved peak is {h['median_fragmentation_share']:.1%} fragmentation."
+    )
