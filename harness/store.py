@@ -3,20 +3,34 @@
 A sweep writes ``<results_dir>/<config_id>.parquet`` for every point, whatever its status; resuming
 skips the ids that already have a file. Reading goes through :func:`load_results`, never
 ``pandas.read_parquet(dir)``, which silently drops the columns that the first file lacks.
+
+The row files are the one source of truth (issue 12). ``dataset.parquet`` (``results compact``) is
+derived from them: it lists, in its metadata, the row files it was compacted from. A row file always
+wins over the dataset's copy of its run; a run the dataset lists whose row file has since been deleted
+is gone (the dataset does not bring it back), unless none of the files it lists is present any more:
+then the dataset stands alone for them (a committed study keeps its dataset and none of its row files).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import sys
 import uuid
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
+
+ROW_FILES_KEY = b"harness.row_files"  # dataset metadata: the ids whose row files it was compacted from
+READ_THREADS = 8  # reading 5,000 row files is per-file overhead (footer parsing): threads overlap it
+REQUIRED = ("config_id", "status")  # what makes a parquet file a harness row
 
 
 def _cell(value: Any) -> Any:
@@ -57,33 +71,154 @@ def result_files(results_dir: str | Path) -> list[Path]:
     return sorted(p for p in root.glob("*.parquet") if not p.name.startswith((".", "dataset")))
 
 
-def existing_ids(results_dir: str | Path) -> set[str]:
-    """config_ids that already have a result: per-run files by name (none is opened), and the
-    ``config_id`` column of compacted datasets (a committed study resumes from its dataset alone)."""
-    ids = {p.stem for p in result_files(results_dir)}
+def dataset_files(results_dir: str | Path) -> list[Path]:
     root = Path(results_dir)
-    for path in sorted(root.glob("dataset*.parquet")) if root.is_dir() else []:
+    return sorted(root.glob("dataset*.parquet")) if root.is_dir() else []
+
+
+def _readable(path: Path) -> bool:
+    try:
+        pq.read_metadata(path)
+    except Exception:  # truncated, empty, not parquet: whatever pyarrow says, it cannot be read
+        return False
+    return True
+
+
+def set_aside(path: Path) -> Path:
+    """Move an unreadable row file out of the way (``<name>.corrupt``): its point has no row any more
+    and runs again (issue 12: a truncated file counted as done, so its point never ran again)."""
+    target = path.with_name(f"{path.name}.corrupt")
+    os.replace(path, target)
+    return target
+
+
+def _row_files_of(dataset: Path) -> set[str] | None:
+    """The ids a dataset was compacted from (None: a dataset written before it recorded them)."""
+    meta = pq.read_schema(dataset).metadata or {}
+    return set(json.loads(meta[ROW_FILES_KEY])) if ROW_FILES_KEY in meta else None
+
+
+def deleted_since_compact(dataset: Path, row_ids: set[str]) -> set[str]:
+    """The runs of ``dataset`` whose row files were deleted after it was compacted: those it lists that
+    are missing now, provided any it lists is still here (none: the dataset stands alone)."""
+    listed = _row_files_of(dataset)
+    if not listed or not listed & row_ids:
+        return set()
+    return listed - row_ids
+
+
+def existing_ids(results_dir: str | Path, *, set_aside_unreadable: bool = False) -> set[str]:
+    """config_ids that already have a result: readable per-run files, and the ``config_id`` column of
+    compacted datasets (a committed study resumes from its dataset alone) less the runs whose row files
+    were deleted since. ``set_aside_unreadable`` (a sweep, before it launches): an unreadable row file
+    is moved aside, named on stderr, and its point counts as not done."""
+    files = result_files(results_dir)
+    with ThreadPoolExecutor(READ_THREADS) as pool:
+        readable = list(pool.map(_readable, files))
+    ids = set()
+    for path, ok in zip(files, readable, strict=True):
+        if ok:
+            ids.add(path.stem)
+        elif set_aside_unreadable:
+            target = set_aside(path)
+            print(
+                f"harness: unreadable row file moved aside to {target}; its point runs again", file=sys.stderr
+            )
+    row_ids = {p.stem for p in files}
+    for path in dataset_files(results_dir):
         try:
-            ids.update(pq.read_table(path, columns=["config_id"]).column("config_id").to_pylist())
+            ids.update(
+                set(pq.read_table(path, columns=["config_id"]).column("config_id").to_pylist())
+                - deleted_since_compact(path, row_ids)
+            )
         except Exception as exc:  # unreadable: its runs are not known to be done, so they run again
-            print(f"harness: warning: cannot read config_id of {path} ({exc}); its points run again")
+            print(
+                f"harness: warning: cannot read config_id of {path} ({exc}); its points run again",
+                file=sys.stderr,
+            )
     return ids
 
 
-def load_results(results_dir: str | Path, *, include_datasets: bool = True) -> tuple[pd.DataFrame, list[str]]:
-    """Every run of a directory as one frame with the union of all columns (missing cells null), and the
-    files that could not be read, each with the reason. Compacted ``dataset*.parquet`` files are read too
-    (``include_datasets``); a run present both compacted and as its own file appears once."""
-    root = Path(results_dir)
-    files = result_files(root)
-    if include_datasets and root.is_dir():
-        files = sorted(root.glob("dataset*.parquet")) + files
-    tables, bad = [], []
-    for path in files:
+def _read(path: Path, columns: list[str] | None) -> tuple[pa.Table, pa.Schema]:
+    """The file's table (only ``columns`` and the required ones, when given) and its whole schema
+    (from the footer: a clash in a column not read still counts)."""
+    pf = pq.ParquetFile(path)
+    names = pf.schema_arrow.names
+    missing = [c for c in REQUIRED if c not in names]
+    if missing:
+        raise ValueError(f"not a harness row file (no {' or '.join(missing)} column); skipped")
+    wanted = None if columns is None else [c for c in names if c in set(columns) | set(REQUIRED)]
+    table = pf.read(columns=wanted, use_threads=False)
+    for name in REQUIRED:
+        kind = table.schema.field(name).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)):
+            raise ValueError(f"not a harness row file (column {name} is {kind}, not text); skipped")
+    return table, pf.schema_arrow
+
+
+def _reference_types(schemas: list[pa.Schema]) -> dict[str, pa.DataType]:
+    """Each column's type in most files (null columns have no say): the schema a clashing file is
+    measured against, so that one foreign file cannot make every other file the odd one out."""
+    votes: dict[str, Counter] = {}
+    for schema, n in Counter(schemas).items():  # row files of one sweep share a few schemas
+        for f in schema:
+            if not pa.types.is_null(f.type):
+                votes.setdefault(f.name, Counter())[f.type] += n
+    return {name: counts.most_common(1)[0][0] for name, counts in votes.items()}
+
+
+def _clash(schema: pa.Schema, reference: dict[str, pa.DataType]) -> str | None:
+    for f in schema:
+        ref = reference.get(f.name)
+        if ref is None or pa.types.is_null(f.type) or f.type == ref:
+            continue
         try:
-            tables.append(pq.read_table(path))
-        except Exception as exc:
+            pa.unify_schemas(
+                [pa.schema([pa.field(f.name, ref)]), pa.schema([f])], promote_options="permissive"
+            )
+        except (pa.ArrowTypeError, pa.ArrowInvalid):
+            return f"column {f.name} is {f.type} here and {ref} in the other files; skipped"
+    return None
+
+
+def load_results(
+    results_dir: str | Path, *, include_datasets: bool = True, columns: list[str] | None = None
+) -> tuple[pd.DataFrame, list[str]]:
+    """Every run of a directory as one frame with the union of all columns (missing cells null), and the
+    files that could not be read, each with the reason: unreadable, foreign (no ``config_id`` and
+    ``status``) or type-clashing files are named and skipped, the rest load (issue 12). Compacted
+    ``dataset*.parquet`` files are read too (``include_datasets``): a run present both compacted and as
+    its own file appears once, as its row file says, and a run whose row file was deleted since the
+    compaction does not come back. ``columns``: read only these (and ``config_id``, ``status``)."""
+    root = Path(results_dir)
+    rows = result_files(root)
+    datasets = dataset_files(root) if include_datasets else []
+    files = datasets + rows
+    with ThreadPoolExecutor(READ_THREADS) as pool:
+        results = list(pool.map(lambda p: _try(_read, p, columns), files))
+    bad, read = [], []
+    for path, (got, exc) in zip(files, results, strict=True):
+        if exc is not None:
             bad.append(f"{path}: {type(exc).__name__}: {exc}")
+        else:
+            read.append((path, *got))
+    reference = _reference_types([schema for _, _, schema in read])
+    clashes: dict[pa.Schema, str | None] = {}
+    tables = []
+    row_ids = {p.stem for p in rows}
+    for path, table, schema in read:
+        if schema not in clashes:
+            clashes[schema] = _clash(schema, reference)
+        clash = clashes[schema]
+        if clash:
+            bad.append(f"{path}: ArrowTypeError: {clash}")
+            continue
+        if path in datasets:
+            gone = deleted_since_compact(path, row_ids)
+            if gone:
+                keep = pc.invert(pc.is_in(table.column("config_id"), pa.array(sorted(gone))))
+                table = table.filter(keep)
+        tables.append(table)
     if not tables:
         return pd.DataFrame(), bad
     frame = pa.concat_tables(tables, promote_options="permissive").to_pandas()
@@ -92,12 +227,27 @@ def load_results(results_dir: str | Path, *, include_datasets: bool = True) -> t
     return frame, bad
 
 
+def _try(fn, *args):
+    try:
+        return fn(*args), None
+    except Exception as exc:
+        return None, exc
+
+
 def compact(results_dir: str | Path, *, name: str = "dataset") -> tuple[Path, int, list[str]]:
     """Merge every run of a directory into ``<results_dir>/<name>.parquet`` (atomically) and return the
-    path, the number of runs and the unreadable files. Per-run files are kept (resume reads their names)."""
-    frame, bad = load_results(results_dir)
-    path = Path(results_dir) / f"{name}.parquet"
-    write_atomic(pa.Table.from_pandas(frame, preserve_index=False), path)
+    path, the number of runs and the unreadable files. Per-run files are kept (they stay the truth);
+    the dataset lists the ones it was made from, so that deleting one later removes its run."""
+    root = Path(results_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"results_dir={results_dir} is not a directory")
+    frame, bad = load_results(root)
+    skipped = {line.split(": ", 1)[0] for line in bad}
+    row_ids = sorted(p.stem for p in result_files(root) if str(p) not in skipped)
+    table = pa.Table.from_pandas(frame, preserve_index=False)
+    meta = {**(table.schema.metadata or {}), ROW_FILES_KEY: json.dumps(row_ids).encode()}
+    path = root / f"{name}.parquet"
+    write_atomic(table.replace_schema_metadata(meta), path)
     return path, len(frame), bad
 
 

@@ -73,3 +73,72 @@ def test_eight_concurrent_writers_and_a_reader_never_see_a_torn_file(tmp_path):
     assert errors == 0 and bad == [] and reads > 0
     assert len(frame) == 800
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+# ------------------------------------------------------------- issue 12: foreign files, truncation, truth
+
+
+def test_truncated_row_file_is_set_aside_and_its_point_runs_again(tmp_path, capsys):
+    for i in range(3):
+        write_record(record(i), tmp_path)
+    path = tmp_path / "id0001.parquet"
+    path.write_bytes(path.read_bytes()[:100])  # a writer killed mid-copy, a full disk
+    # Status and the other readers name it and skip it, and move nothing:
+    frame, bad = load_results(tmp_path)
+    assert len(frame) == 2 and len(bad) == 1 and "id0001.parquet" in bad[0]
+    assert existing_ids(tmp_path) == {"id0000", "id0002"}
+    assert path.exists()
+    # A sweep (set_aside_unreadable) moves it aside, says so, and the point is not done.
+    assert existing_ids(tmp_path, set_aside_unreadable=True) == {"id0000", "id0002"}
+    assert not path.exists() and (tmp_path / "id0001.parquet.corrupt").exists()
+    assert "id0001.parquet.corrupt" in capsys.readouterr().err
+    assert load_results(tmp_path)[1] == []
+
+
+def test_foreign_and_type_clashing_files_are_named_and_skipped(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for i in range(3):
+        write_record(record(i), tmp_path)
+    pq.write_table(pa.table({"a": [1, 2]}), tmp_path / "notes.parquet")  # someone else's file
+    write_record(record(7, peak_allocated_bytes="a lot"), tmp_path)  # a row whose peak is text
+    pq.write_table(pa.table({"config_id": ["id0008"], "status": [3]}), tmp_path / "id0008.parquet")
+    frame, bad = load_results(tmp_path)
+    assert sorted(frame["config_id"]) == ["id0000", "id0001", "id0002"]
+    assert frame["peak_allocated_bytes"].tolist() == [1000, 1001, 1002]
+    named = {line.split(": ", 1)[0].rsplit("/", 1)[1]: line for line in bad}
+    assert set(named) == {"notes.parquet", "id0007.parquet", "id0008.parquet"}
+    assert "not a harness row file (no config_id or status column)" in named["notes.parquet"]
+    assert (
+        "column peak_allocated_bytes is string here and int64 in the other files" in named["id0007.parquet"]
+    )
+    assert "column status is int64, not text" in named["id0008.parquet"]
+    # compact and the column-limited read (status) skip them the same way
+    assert compact(tmp_path)[1:] == (3, bad)
+    assert len(load_results(tmp_path, columns=["status"])[0]) == 3
+
+
+def test_row_files_are_the_truth_and_the_dataset_is_derived(tmp_path):
+    for i in range(3):
+        write_record(record(i), tmp_path)
+    compact(tmp_path)
+    # A rerun replaces a row file (sweep.retry): the row file wins over the dataset's copy.
+    write_record(record(0, status="timeout"), tmp_path)
+    # A deleted row file stays deleted: the dataset does not bring it back, and compacting again
+    # does not resurrect it either.
+    (tmp_path / "id0002.parquet").unlink()
+    for _ in range(2):
+        frame, bad = load_results(tmp_path)
+        assert bad == [] and dict(zip(frame["config_id"], frame["status"], strict=True)) == {
+            "id0000": "timeout",
+            "id0001": "ok",
+        }
+        assert existing_ids(tmp_path) == {"id0000", "id0001"}
+        compact(tmp_path)
+    # A new run swept into a directory whose dataset stands alone (no listed row file left) keeps
+    # every compacted run.
+    for f in result_files(tmp_path):
+        f.unlink()
+    write_record(record(5), tmp_path)
+    assert existing_ids(tmp_path) == {"id0000", "id0001", "id0005"}

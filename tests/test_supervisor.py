@@ -110,11 +110,13 @@ def test_rank_that_blocks_forever(monkeypatch, no_leftovers):
     r = run_point(spec("tiny", parallel_dp=2, **FAST), timeout_s=20)
     elapsed = time.monotonic() - start
     # Rank 0's collective times out first (the process group's timeout is set below the point's) or
-    # the supervisor kills both: either way one record, within the timeout plus reaping.
-    assert r["status"] in ("timeout", "crash")
+    # the supervisor kills both: either way one timeout record, within the timeout plus reaping, and
+    # when rank 0 did report, the rank named is the hung one (issue 12: it was rank 0's "crash").
+    assert r["status"] == "timeout", r["error"]
     assert elapsed < 20 + 15
-    if r["status"] == "crash":
-        assert (r["error_rank"] == 0 and "timed out" in r["error"].lower()) or "Timeout" in r["error"]
+    assert r["error_rank"] in (1, None)
+    if r["error_rank"] == 1:
+        assert r["error"].startswith("rank 1 never arrived") and "imed out" in r["error"]
 
 
 def test_sigterm_reaps_every_rank_and_records_nothing(monkeypatch, no_leftovers):
@@ -282,3 +284,184 @@ def test_ranks_and_their_devices_when_a_point_is_spread_over_tasks():
     assert Task(3, 4).ranks(2) == range(2, 2)
     # One task: every rank, devices 0..world-1.
     assert Task().ranks(4) == range(4) and Task().placement(4) == (0, 4)
+
+
+# ------------------------------------------------------------------ issue 12: kills, hangs, host memory
+
+
+def _fake_rank(behaviour):
+    """A rank_fn for the supervisor without torch work: ``behaviour(rank, out_dir)`` then exit 0."""
+
+    def rank_fn(rank, spec, *, out_dir, **kwargs):
+        from harness.runner.supervisor import write_json
+
+        behaviour(rank, out_dir)
+        write_json(out_dir / f"rank{rank}.json", {"rank": rank})
+        os._exit(0)
+
+    return rank_fn
+
+
+def _gloo_timeout_on_rank0(rank, out_dir):
+    """Rank 0 reports what gloo reports when a peer never arrives; rank 1 hangs."""
+    from harness.runner.supervisor import write_json
+
+    if rank == 1:
+        time.sleep(10_000)
+    time.sleep(0.2)
+    error = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Timed out waiting 5000ms"
+    write_json(out_dir / f"rank{rank}.json", {"rank": rank, "error": error})
+    os._exit(1)
+
+
+def test_a_hung_rank_is_a_timeout_that_names_it(monkeypatch, no_leftovers):
+    # Rank 1 hangs; rank 0's collective times out (a symptom) and it exits 1. Before issue 12 this was
+    # recorded as rank 0's crash; the record must be a timeout naming rank 1, the one still running.
+    import harness.runner.supervisor as supervisor
+
+    monkeypatch.setattr(supervisor, "GRACE_S", 1.0)
+    r = run_point(
+        spec("tiny", parallel_dp=2, **FAST), timeout_s=30, rank_fn=_fake_rank(_gloo_timeout_on_rank0)
+    )
+    assert r["status"] == "timeout" and r["error_rank"] == 1
+    assert r["error"].startswith("rank 1 never arrived at a collective")
+    assert "rank 0's own error is the symptom" in r["error"]
+
+
+def _host_allocation_fails_on_rank1(rank, out_dir):
+    from harness.runner.supervisor import write_json
+
+    if rank == 1:
+        error = (
+            "RuntimeError: [enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
+            "allocate memory: you tried to allocate 4503599627370496 bytes."
+        )
+        write_json(out_dir / f"rank{rank}.json", {"rank": rank, "error": error, "oom": False})
+        os._exit(1)
+
+
+def _sigkill_on_rank1(rank, out_dir):
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_host_out_of_memory_is_oom_from_the_host(monkeypatch, no_leftovers):
+    # A failed host allocation (torch raises a RuntimeError, not OutOfMemoryError, on CPU): oom/host.
+    r = run_point(
+        spec("tiny", parallel_dp=2, **FAST), timeout_s=30, rank_fn=_fake_rank(_host_allocation_fails_on_rank1)
+    )
+    assert (r["status"], r["oom_source"], r["error_rank"]) == ("oom", "host", 1)
+    # A SIGKILL while the kernel's OOM killer count went up (5 -> 6 around the point): oom/host.
+    import harness.runner.supervisor as supervisor
+
+    counts = iter([5, 6])
+    monkeypatch.setattr(supervisor, "host_oom_kills", lambda: next(counts))
+    r = run_point(spec("tiny", parallel_dp=2, **FAST), timeout_s=30, rank_fn=_fake_rank(_sigkill_on_rank1))
+    assert (r["status"], r["oom_source"], r["error_rank"]) == ("oom", "host", 1)
+    assert "OOM killer" in r["error"]
+    # The same SIGKILL without the OOM killer (3 -> 3) stays a crash.
+    counts = iter([3, 3])
+    r = run_point(spec("tiny", parallel_dp=2, **FAST), timeout_s=30, rank_fn=_fake_rank(_sigkill_on_rank1))
+    assert (r["status"], r["oom_source"]) == ("crash", None)
+
+
+def _listening_addresses(rank, out_dir):
+    """Join a real gloo group, then list the addresses that listen on the point's store port."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    port = int(os.environ["MASTER_PORT"])
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=20))
+    if rank == 0:
+        found = []
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            for line in Path(table).read_text().splitlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state == "0A" and local.endswith(f":{port:04X}"):
+                    found.append(local.split(":")[0])
+        (out_dir / "listening.txt").write_text(" ".join(found))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _with_env(behaviour):
+    def rank_fn(rank, spec, *, port, out_dir, master_addr, **kwargs):
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(port))
+        _fake_rank(behaviour)(rank, spec, out_dir=out_dir)
+
+    return rank_fn
+
+
+def test_single_host_store_listens_on_loopback_only(tmp_path, no_leftovers):
+    r = run_point(
+        spec("tiny", parallel_dp=2, **FAST),
+        timeout_s=60,
+        rank_fn=_with_env(_listening_addresses),
+        keep_dir=tmp_path,
+    )
+    assert r["status"] == "ok", r["error"]
+    # /proc/net/tcp writes 127.0.0.1 as 0100007F; every interface would be 00000000 (or :: in tcp6).
+    assert (tmp_path / "listening.txt").read_text().split() == ["0100007F"]
+
+
+KILLED_SUPERVISOR = """
+import os, sys, time
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from conftest import spec
+from harness.runner.supervisor import run_point
+
+def rank_fn(rank, spec, *, out_dir, **kwargs):
+    Path({pids!r}, str(rank)).write_text(str(os.getpid()))
+    time.sleep(10_000)
+
+run_point(spec("tiny", parallel_dp=2, train_precision="fp32", train_seq_len=32), timeout_s=10_000,
+          rank_fn=rank_fn)
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        return not Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
+    except (OSError, IndexError):
+        return False
+
+
+def test_ranks_die_with_a_killed_supervisor_and_its_directory_is_cleaned(tmp_path, monkeypatch):
+    """``kill -9`` of a supervisor (a run, a sweep): its ranks die within seconds (they lived on,
+    re-parented to init, for their whole timeout before issue 12), and the point's temporary
+    directory, which it could not remove, goes at the next start of a point."""
+    import subprocess
+    import sys
+    import tempfile
+
+    import harness.runner.supervisor as supervisor
+
+    pids, tmp = tmp_path / "pids", tmp_path / "tmp"
+    pids.mkdir()
+    tmp.mkdir()
+    script = KILLED_SUPERVISOR.format(tests=str(Path(__file__).parent), pids=str(pids))
+    proc = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "TMPDIR": str(tmp)})
+    deadline = time.monotonic() + 60
+    while len(list(pids.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    ranks = [int(p.read_text()) for p in pids.iterdir()]
+    assert len(ranks) == 2
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 5
+    while any(_running(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    survivors = [pid for pid in ranks if _running(pid)]
+    for pid in survivors:  # (only before the fix: don't leave them behind)
+        os.kill(pid, signal.SIGKILL)
+    assert survivors == []
+    point_dirs = list(tmp.glob("harness-point-*"))
+    assert len(point_dirs) == 1 and point_dirs[0].name.startswith(f"harness-point-{proc.pid}-")
+    # The next start cleans the dead supervisor's directory, and leaves a live one's alone.
+    live = tmp / f"harness-point-{os.getpid()}-x"
+    live.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    assert supervisor.clean_leftover_point_dirs() == [str(point_dirs[0])]
+    assert not point_dirs[0].exists() and live.exists()

@@ -152,11 +152,13 @@ def _results(args: Sequence[str]) -> int:
     if unknown or action not in ("status", "compact"):
         raise ValueError(f"usage: harness results status|compact [results_dir=DIR] (got {list(args)})")
     root = opts.get("results_dir", "results")
+    if not os.path.isdir(root):  # compact would create it; status would count nothing (issue 12)
+        raise ValueError(f"results_dir={root} is not a directory")
     if action == "compact":
         path, n, bad = compact(root)
         print(f"{n} runs → {path}")
     else:
-        frame, bad = load_results(root)
+        frame, bad = load_results(root, columns=["config_id", "status"])  # only what it counts
         counts = status_counts(frame)
         print(
             f"{root}: {len(frame)} runs: "

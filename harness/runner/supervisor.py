@@ -8,6 +8,7 @@ Nothing here runs a torch operation before forking: forked OpenMP or gloo thread
 
 from __future__ import annotations
 
+import ctypes
 import json
 import multiprocessing
 import os
@@ -28,6 +29,12 @@ POLL_S = 0.05
 PEER_POLL_S = 0.5  # how often a task of a multi-task point looks at the shared directory
 PEER_MARGIN_S = 30.0  # how much later than task 0's deadline another task may report (start skew)
 GRACE_S = 10.0  # after one rank fails, how long the others get to fail on their own and report
+POINT_DIR_PREFIX = "harness-point-"  # + the supervisor's pid: a leftover's owner is known (issue 12)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# What a healthy rank reports when a peer never arrives at a collective (gloo, the TCPStore) or left it:
+# a symptom, never the cause (issue 12: a hung rank was recorded as rank 0's crash).
+SYMPTOMS = ("timed out", "timeout", "connection closed by peer", "connection reset", "broken pipe")
+HOST_OOM_ERRORS = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")
 
 
 class Terminated(BaseException):
@@ -45,6 +52,101 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data))
     os.replace(tmp, path)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """In a forked rank: ask the kernel to SIGKILL this process when its supervisor dies, however it
+    dies (``kill -9`` of a sweep left its ranks running for hours, re-parented to init: issue 12).
+    The supervisor may have died between the fork and this call: then the parent is already another
+    process, and the rank ends at once."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the supervisor's own reaping still holds
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def clean_leftover_point_dirs(root: str | None = None) -> list[str]:
+    """Remove the temporary point directories (``harness-point-<pid>-*``) whose supervisor is dead: a
+    supervisor killed with SIGKILL cannot remove its own. Those of live supervisors (another sweep on
+    this host) are left alone. Returns the directories removed."""
+    root = Path(root or tempfile.gettempdir())
+    removed = []
+    for path in root.glob(f"{POINT_DIR_PREFIX}*"):
+        owner = path.name[len(POINT_DIR_PREFIX) :].split("-", 1)[0]
+        if owner.isdigit() and not _alive(int(owner)) and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
+    return removed
+
+
+def host_oom_kills() -> int | None:
+    """The kernel's count of processes its OOM killer ended (``oom_kill`` of /proc/vmstat, or of this
+    cgroup's memory.events under cgroup v2); None where neither says."""
+    total = None
+    for path in ("/proc/vmstat", "/sys/fs/cgroup/memory.events"):
+        try:
+            for line in Path(path).read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    total = (total or 0) + int(value)
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+_STORE = None  # rank 0's TCPStore server bound to the loopback interface (kept alive for the rank)
+
+
+def _bind_store_to_loopback(port: int, world: int, timeout_s: float) -> None:
+    """Rank 0 of a point whose ranks are all on this host: start the TCPStore server on 127.0.0.1
+    only (torch's own listens on every interface, issue 12). ``init_process_group`` then finds it:
+    its store is multi-tenant and reuses this process's server on the same port."""
+    global _STORE
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen(128)
+    except OSError:  # the port was taken meanwhile: torch's own bind will say so
+        sock.close()
+        return
+    _STORE = dist.TCPStore(
+        "127.0.0.1",
+        port,
+        world,
+        True,
+        timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        multi_tenant=True,
+        master_listen_fd=sock.detach(),
+    )
+
+
+def _rank_main(rank_fn, parent_pid: int, loopback: bool, rank: int, spec, **kwargs) -> None:
+    """A forked rank: tied to its supervisor's life, its store on loopback when every rank is local."""
+    die_with_parent(parent_pid)
+    if loopback:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own connections stay local too
+        if rank == 0:
+            _bind_store_to_loopback(kwargs["port"], spec.parallel.world, kwargs["timeout_s"])
+    rank_fn(rank, spec, **kwargs)
 
 
 def free_port() -> int:
@@ -94,19 +196,29 @@ def _last_log_line(out_dir: Path, rank: int) -> str:
     return lines[-1][:300] if lines else ""
 
 
+def _symptom(entry: tuple[int, int, dict]) -> bool:
+    """A rank that failed only because a peer did not arrive or left (its own collective timed out,
+    its connection closed): gloo reports a peer's hang or death as this rank's error."""
+    err = (entry[2].get("error") or "").lower()
+    return entry[1] is not None and entry[1] > 0 and any(s in err for s in SYMPTOMS)
+
+
 def _culprit(failed: list[tuple[int, int, dict]]) -> tuple[int, int, dict]:
     """The rank whose failure is the cause: one that was killed, else one whose error is not merely a
-    peer's connection closing (gloo reports a dead peer as its own error), else the first."""
+    symptom of a peer, else the first."""
     for entry in failed:
-        if entry[1] < 0:
+        if entry[1] is not None and entry[1] < 0:
             return entry
-    for entry in failed:
-        err = entry[2].get("error", "")
-        if not any(
-            s in err for s in ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out")
-        ):
-            return entry
-    return failed[0]
+    return next((entry for entry in failed if not _symptom(entry)), failed[0])
+
+
+def _host_oom(entry: tuple[int, int, dict], oom_kills: int | None) -> bool:
+    """The host ran out of memory for this rank: a failed host allocation, or a SIGKILL while the
+    kernel's OOM killer ended a process (issue 12: such rows said ``crash``)."""
+    err = entry[2].get("error") or ""
+    if any(s in err for s in HOST_OOM_ERRORS):
+        return True
+    return entry[1] == -signal.SIGKILL and bool(oom_kills)
 
 
 @dataclass(frozen=True)
@@ -191,7 +303,8 @@ def run_point(
 
     world = spec.parallel.world
     mine = task.ranks(world)
-    with tempfile.TemporaryDirectory(prefix="harness-point-") as tmp:
+    clean_leftover_point_dirs()
+    with tempfile.TemporaryDirectory(prefix=f"{POINT_DIR_PREFIX}{os.getpid()}-") as tmp:
         out_dir = task.shared_dir or keep_dir or Path(tmp)
         out_dir.mkdir(parents=True, exist_ok=True)
         outcome = _run_ranks(spec, mine, task, rank_fn, out_dir, timeout_s, artifacts or {})
@@ -217,10 +330,11 @@ def _run_ranks(
     # The process group's own timeout fires a little before ours, so that a stuck collective is
     # reported by the rank itself when it can be.
     pg_timeout = max(5.0, timeout_s - 5.0)
+    loopback = task.count == 1 and task.master_addr in ("127.0.0.1", "localhost")
     procs = [
         ctx.Process(
-            target=rank_fn,
-            args=(r, spec),
+            target=_rank_main,
+            args=(rank_fn, os.getpid(), loopback, r, spec),
             kwargs={
                 "port": port,
                 "out_dir": out_dir,
@@ -245,6 +359,7 @@ def _run_ranks(
     main = threading.current_thread() is threading.main_thread()
     if main and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    oom_kills = host_oom_kills()
     try:
         for proc in procs:
             proc.start()
@@ -286,6 +401,7 @@ def _run_ranks(
         "codes": [proc.exitcode for proc in procs],
         "killed": sorted(killed_here),
         "timed_out": timed_out,
+        "host_oom_kills": None if oom_kills is None else (host_oom_kills() or 0) - oom_kills,
         "started": started,
         "wall_s": time.monotonic() - start,
     }
@@ -342,16 +458,40 @@ def _record(
     # Ranks a supervisor killed (stragglers after a failure, or everyone at the deadline) are not the
     # cause of anything.
     failed = [(r, c, ranks[r]) for r, c in sorted(codes.items()) if c != 0 and r not in killed_here]
+    stuck = sorted(killed_here)
+    if failed and stuck and all(_symptom(entry) for entry in failed):
+        # Every rank that ended did so on a peer's absence, and the ranks still running when the
+        # supervisor gave up are those peers: the point hung in them (issue 12).
+        names = ", ".join(str(r) for r in stuck)
+        first = failed[0]
+        return finish_record(
+            spec,
+            ranks,
+            status="timeout",
+            error=f"rank{'s' * (len(stuck) > 1)} {names} never arrived at a collective (still running, "
+            f"killed); rank {first[0]}'s own error is the symptom: {first[2].get('error') or ''}"[:500],
+            error_rank=stuck[0],
+            exit_code=None,
+            **common,
+        )
     if failed:
-        rank, code, info = _culprit(failed)
-        status = "oom" if any(r[2].get("oom") for r in failed) else "crash"
+        entry = _culprit(failed)
+        rank, code, info = entry
+        oom_kills = sum(o.get("host_oom_kills") or 0 for o in outcomes)
+        host_oom = _host_oom(entry, oom_kills)
+        status = "oom" if host_oom or any(r[2].get("oom") for r in failed) else "crash"
         if code is not None and code < 0:
             error = f"rank {rank} killed by signal {signal.Signals(-code).name}"
+            if host_oom:
+                error += " (the host's OOM killer ran during the point)"
         else:
             error = info.get("error") or _last_log_line(out_dir, rank) or f"rank {rank} exited with {code}"
-        return finish_record(
+        row = finish_record(
             spec, ranks, status=status, error=error, error_rank=rank, exit_code=code, **common
         )
+        if host_oom:
+            row["oom_source"] = "host"
+        return row
     if timed_out:
         return finish_record(
             spec,
