@@ -96,6 +96,9 @@ class DeviceSpec:
     gpus_per_node: int = 8
     intra_node_gbps: float | None = None
     inter_node_gbps: float | None = None
+    # For the step-time model only (harness/estimate/steptime.py), like the links: not in config_id.
+    memory_gbps: float | None = None
+    link_latency_us: float | None = None
 
     @property
     def memory_bytes(self) -> int:
