@@ -12,6 +12,7 @@ import math
 import os
 import platform
 import socket
+import statistics
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,29 @@ def invalid_record(spec: RunSpec, reason: str) -> dict[str, Any]:
     return {**base_record(spec), **environment(), "status": "invalid", "error": reason}
 
 
+def step_timing(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The step's timing fields from the ranks that finished.
+
+    - ``step_time_s``: the slowest rank's median step (the others wait for it in the step's collectives,
+      so its median is the job's step time).
+    - ``step_times_s``: that rank's timed steps, in order, in seconds.
+    - ``step_time_rank``: which rank that is.
+    - ``step_time_spread``: the relative range of those steps, (max - min) / median, NaN with fewer than
+      two timed steps. The range rather than a standard deviation: a study times 3-5 steps, too few for
+      a standard deviation to mean much, and the range is what a comparison must beat: two layouts whose
+      median step times differ by less than their spread are not told apart by the measurement.
+    """
+    slowest = max(ranks, key=lambda r: r["step_time_s"])
+    times = [float(t) for t in slowest.get("step_times_s", [])]
+    spread = (max(times) - min(times)) / statistics.median(times) if len(times) >= 2 else math.nan
+    return {
+        "step_time_s": slowest["step_time_s"],
+        "step_times_s": times,
+        "step_time_rank": slowest["rank"],
+        "step_time_spread": spread,
+    }
+
+
 def finish_record(
     spec: RunSpec,
     ranks: list[dict[str, Any]],
@@ -145,9 +169,10 @@ def finish_record(
         row["memory_snapshots"] = snapshots or None
         for name, value in worst.get("categories", {}).items():
             row[f"mem_{name}_bytes"] = value
-        step = max(r["step_time_s"] for r in done)
+        row.update(step_timing(done))
+        step = row["step_time_s"]
         losses = done[0]["losses"]
-        row.update(step_time_s=step, loss=losses[-1] if losses else None, losses=losses)
+        row.update(loss=losses[-1] if losses else None, losses=losses)
         flops = model_flops_per_step(spec, convention=FLOPS_CONVENTION)
         row["model_flops_per_step"] = flops
         row["flops_convention"] = FLOPS_CONVENTION

@@ -103,6 +103,9 @@ class DeviceSpec:
     cuda_context_mib: float = 0.0
     nccl_mib_per_communicator: float = 0.0
     cublas_workspace_mib: float = 0.0
+    # For the step-time model only (harness/estimate/steptime.py), like the links: not in config_id.
+    memory_gbps: float | None = None
+    link_latency_us: float | None = None
 
     @property
     def memory_bytes(self) -> int:

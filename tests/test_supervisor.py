@@ -3,6 +3,7 @@ status within its timeout, and leaves no process behind."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
@@ -81,6 +82,9 @@ def test_ok_point(no_leftovers):
         "model_flops_per_step",
     ):
         assert r[field] is not None, field
+    # train.steps 2 = 1 warm-up + 1 timed step: the slowest rank's one time, whose spread is undefined
+    assert len(r["step_times_s"]) == 1 and r["step_times_s"][0] == r["step_time_s"]
+    assert r["step_time_rank"] in (0, 1) and math.isnan(r["step_time_spread"])
 
 
 def test_rank_that_raises(monkeypatch, no_leftovers):
