@@ -75,7 +75,7 @@ def raw(model_name="tiny", **kw) -> RunSpec:
         (dict(parallel_tp=2, train_seq_len=255), "(seq_len/cp) % tp = 0: (255/1) % 2 = 1"),
         (dict(parallel_zero_stage=4), "parallel.zero_stage=4 must be 0, 1, 2 or 3"),
         (dict(train_seq_len=-8), "train.seq_len=-8 must be >= 1"),
-        (dict(train_recompute="some"), "train.recompute='some' must be one of none, selective, full"),
+        (dict(train_recompute="some"), "train.recompute='some' must be one of none, selective, op, full"),
         (dict(parallel_tp="2"), "parallel.tp='2' must be int"),
         (dict(parallel_sequence_parallel=1), "parallel.sequence_parallel=1 must be bool"),
     ],
