@@ -141,11 +141,20 @@ def tied_embedding_group(mesh: DeviceMesh):
 
 @torch.no_grad()
 def sync_tied_weight(par: Parallelized) -> None:
-    """Sum the tied matrix's gradient over the first and last stage (see :func:`tied_embedding_group`)."""
-    if par.tied_weight is None or par.tied_weight.grad is None:
+    """Sum the tied matrix's gradient over the first and last stage (see :func:`tied_embedding_group`).
+
+    Under tp the two ends' gradients are laid out differently: the head's is vocabulary-sharded like
+    its weight, the embedding's comes back replicated (DTensor's embedding backward); both are brought
+    to the weight's own layout, the same on both ends, before they are summed."""
+    weight = par.tied_weight
+    if weight is None or weight.grad is None:
         return
-    grad = par.tied_weight.grad
-    dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=par.tied_group)
+    grad = weight.grad
+    if hasattr(grad, "redistribute"):
+        if grad.placements != weight.placements:
+            grad = weight.grad = grad.redistribute(placements=weight.placements)
+        grad = grad.to_local()
+    dist.all_reduce(grad, group=par.tied_group)
 
 
 def _sync_context(module: nn.Module, *, last: bool):
