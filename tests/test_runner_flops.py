@@ -1,9 +1,9 @@
 """The estimator's model FLOPs against PyTorch's FlopCounterMode on the runner's own model.
 
 FlopCounterMode counts matmuls exactly; it has no formula for the CPU flash-attention kernel, so the
-attention runs on the MATH backend here (``attention="math"``), whose QKᵀ and AV batched matmuls it counts (without causal
-halving, which is the ``megatron`` convention). Embedding lookups, norms and elementwise ops are not
-matmuls and are in neither count.
+attention runs on the MATH backend here (``attention="math"``), whose QKᵀ and AV batched matmuls it
+counts (without causal halving, which is the ``megatron`` convention). Embedding lookups, norms and
+elementwise ops are not matmuls and are in neither count.
 """
 
 from __future__ import annotations

@@ -16,10 +16,9 @@ import dataclasses
 import pytest
 from conftest import spec
 
-from harness.specs import canonical
-
 from harness.runner.parallel import compose
 from harness.runner.supervisor import run_point
+from harness.specs import canonical
 
 GLOBAL_BATCH = 4
 RTOL = 2e-4

@@ -44,9 +44,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-b, a], dim=-1)
 
 
-def sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel: str, **kw: object
-) -> torch.Tensor:
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel: str, **kw: object) -> torch.Tensor:
     """SDPA over (batch, heads, seq, head_dim) on ``kernel`` only (an error, not a silent fallback, if
     that kernel cannot run the call); GQA without copies where the kernel allows it."""
     with sdpa_kernel(KERNELS[kernel], set_priority=True):
