@@ -15,9 +15,15 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
-RECOMPUTE = ("none", "selective", "full")
+# none; selective: the attention core (Korthikanti et al. 2022); op: torchtitan's op-level policy (the
+# outputs of matmuls, every second one excepted, and of the attention kernels are kept, the rest
+# recomputed); full: whole transformer blocks (every ``recompute_every``-th one).
+RECOMPUTE = ("none", "selective", "op", "full")
 PRECISIONS = ("bf16", "fp32")
 ATTENTION = ("flash", "math")
+# Fields added after the first study, left out of the hashed payload (config_id, raw_id) while they hold
+# this default, so that every spec that existed before keeps its id.
+ADDED_FIELD_DEFAULTS = {"train": {"recompute_every": 1}}
 # Bumped whenever the canonical form or the hashed fields change: old results then get new ids
 # instead of silently matching runs of a different meaning.
 CONFIG_ID_VERSION = 1
@@ -81,6 +87,9 @@ class TrainSpec:
     micro_batch_size: int = 1
     num_microbatches: int | None = None
     recompute: str = "none"
+    # With recompute=full, only every N-th transformer block is checkpointed (torchtitan's layer option
+    # ``selective_ac_option=N``); 1 = every block. Reset to 1 by :func:`canonical` under other modes.
+    recompute_every: int = 1
     precision: str = "bf16"
     attention: str = "flash"
     steps: int = 3
@@ -181,7 +190,7 @@ def layout_problems(spec: RunSpec) -> list[str]:
         ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size"),
     )
     out += _positive("parallel", p, ("tp", "pp", "cp", "virtual_stages"))
-    out += _positive("train", t, ("seq_len", "micro_batch_size", "steps"))
+    out += _positive("train", t, ("seq_len", "micro_batch_size", "steps", "recompute_every"))
     if isinstance(t.steps, int) and t.steps == 1:
         out.append(
             "train.steps=1 must be >= 2 (a warm-up step: AdamW state appears at the first; then timed steps)"
@@ -285,7 +294,7 @@ def canonical(spec: RunSpec) -> RunSpec:
     The canonical form resolves ``dp``/``world_size`` and resets fields that have no effect, so that
     the same run spelled two ways gets one ``config_id``: ``pp_schedule``/``virtual_stages`` when
     pp = 1, ``sequence_parallel`` when tp = 1, ``cp_load_balance`` when cp = 1; and it resolves
-    ``num_microbatches`` None to pp.
+    ``num_microbatches`` None to pp; ``recompute_every`` when recompute is not full.
     """
     reasons = problems(spec)
     if reasons:
@@ -309,6 +318,8 @@ def canonical_form(spec: RunSpec) -> RunSpec:
     t = spec.train
     if t.num_microbatches is None:
         t = dataclasses.replace(t, num_microbatches=p.pp)
+    if t.recompute != "full":
+        t = dataclasses.replace(t, recompute_every=1)
     return dataclasses.replace(spec, parallel=p, train=t)
 
 
@@ -331,18 +342,29 @@ def config_id(spec: RunSpec) -> str:
     payload = {
         "v": CONFIG_ID_VERSION,
         "model": {k: v for k, v in dataclasses.asdict(spec.model).items() if k != "name"},
-        "parallel": dataclasses.asdict(spec.parallel),
-        "train": dataclasses.asdict(spec.train),
+        "parallel": _hashed("parallel", spec.parallel),
+        "train": _hashed("train", spec.train),
         "device": {"name": spec.device.name, "memory_gib": float(spec.device.memory_gib)},
     }
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _hashed(section: str, part: Any) -> dict[str, Any]:
+    """A section's fields as hashed: an added field is left out while it holds its default."""
+    defaults = ADDED_FIELD_DEFAULTS.get(section, {})
+    return {
+        k: v
+        for k, v in dataclasses.asdict(part).items()
+        if not (k in defaults and v == defaults[k] and type(v) is type(defaults[k]))
+    }
+
+
 def raw_id(spec: RunSpec) -> str:
     """An id for a spec that may be invalid: the hash of its fields as given (prefixed ``x``), so an
     invalid point's row is found again on resume."""
-    text = json.dumps({"v": CONFIG_ID_VERSION, **dataclasses.asdict(spec)}, sort_keys=True, default=str)
+    sections = {s: _hashed(s, getattr(spec, s)) for s in ("model", "parallel", "train", "device")}
+    text = json.dumps({"v": CONFIG_ID_VERSION, **sections}, sort_keys=True, default=str)
     return "x" + hashlib.sha256(text.encode()).hexdigest()[:15]
 
 

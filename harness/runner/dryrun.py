@@ -38,7 +38,7 @@ def dry_run_peak(spec: RunSpec, *, rank: int = 0) -> dict[str, Any]:
         if p.dp * p.cp > 1:
             mesh["dp", "cp"]._flatten("dp_cp")
         with FakeTensorMode():
-            model = Llama(spec.model, seq_len=t.seq_len)
+            model = Llama(spec.model, seq_len=t.seq_len, attention=t.attention)
             par = parallelize(model, spec, mesh, torch.device("cpu"))
             del model  # as the real rank does: a pipeline stage is a copy of it
             per_rank = (t.micro_batch_size * t.num_microbatches, t.seq_len // p.cp)

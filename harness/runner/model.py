@@ -4,7 +4,8 @@ Module names follow torchtitan's (``tok_embeddings``, ``layers.<i>.attention.wq`
 ``norm``, ``output``) so that the tensor-parallel plan reads like theirs. Layers live in a ModuleDict
 keyed by their global index, so a pipeline stage is the model with other layers deleted. Attention's
 core (``Attention.core``) and its rotary tables (``Attention.rope_cos/sin``, one row per local token
-position) are attributes that context parallelism swaps; nothing here knows about it.
+position) are attributes that context parallelism swaps; nothing here knows about it. ``attention``
+picks SDPA's kernel (``train.attention``): ``flash`` (no score matrix kept) or ``math`` (scores kept).
 """
 
 from __future__ import annotations
@@ -14,8 +15,18 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from harness.specs import ModelSpec
+
+# train.attention → the SDPA backends allowed. Without a choice SDPA picks a fused kernel on its own, and
+# ``math`` runs never ran the math kernel (issue 15). ``flash`` allows the fused kernels, none of which
+# keeps a score matrix: flash first (the only one on CPU), then memory-efficient (CUDA FP32, and the
+# boolean mask of context parallelism) and cuDNN.
+KERNELS = {
+    "flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION],
+    "math": [SDPBackend.MATH],
+}
 
 
 def rope_tables(
@@ -33,9 +44,21 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-b, a], dim=-1)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The default attention core: causal SDPA over (batch, heads, seq, head_dim), GQA without copies."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel: str, **kw: object) -> torch.Tensor:
+    """SDPA over (batch, heads, seq, head_dim) on ``kernel`` only (an error, not a silent fallback, if
+    that kernel cannot run the call); GQA without copies where the kernel allows it."""
+    with sdpa_kernel(KERNELS[kernel], set_priority=True):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1], **kw)
+
+
+class CausalAttention:
+    """The default attention core: causal SDPA on one kernel."""
+
+    def __init__(self, kernel: str):
+        self.kernel = kernel
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return sdpa(q, k, v, kernel=self.kernel, is_causal=True)
 
 
 class RMSNorm(nn.Module):
@@ -49,8 +72,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, m: ModelSpec, seq_len: int):
+    def __init__(self, m: ModelSpec, seq_len: int, attention: str = "flash"):
         super().__init__()
+        self.kernel = attention
         self.head_dim = m.hidden_size // m.num_heads
         kv_width = self.head_dim * m.num_kv_heads
         self.wq = nn.Linear(m.hidden_size, m.hidden_size, bias=False)
@@ -60,7 +84,7 @@ class Attention(nn.Module):
         cos, sin = rope_tables(seq_len, self.head_dim)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.core = causal_attention
+        self.core = CausalAttention(attention)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -87,10 +111,10 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, m: ModelSpec, seq_len: int):
+    def __init__(self, m: ModelSpec, seq_len: int, attention: str = "flash"):
         super().__init__()
         self.attention_norm = RMSNorm(m.hidden_size)
-        self.attention = Attention(m, seq_len)
+        self.attention = Attention(m, seq_len, attention)
         self.ffn_norm = RMSNorm(m.hidden_size)
         self.feed_forward = FeedForward(m)
 
@@ -103,11 +127,13 @@ class Llama(nn.Module):
     """Token ids (batch, seq) → logits (batch, seq, vocab). Any of ``tok_embeddings``, ``norm`` and
     ``output`` may be None (a pipeline stage), in which case the input or output is hidden states."""
 
-    def __init__(self, m: ModelSpec, *, seq_len: int):
+    def __init__(self, m: ModelSpec, *, seq_len: int, attention: str = "flash"):
         super().__init__()
         self.spec = m
         self.tok_embeddings: nn.Module | None = nn.Embedding(m.vocab_size, m.hidden_size)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(m, seq_len) for i in range(m.num_layers)})
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(m, seq_len, attention) for i in range(m.num_layers)}
+        )
         self.norm: nn.Module | None = RMSNorm(m.hidden_size)
         self.output: nn.Module | None = nn.Linear(m.hidden_size, m.vocab_size, bias=False)
         if m.tie_embeddings:

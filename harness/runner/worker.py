@@ -164,7 +164,7 @@ def _run(spec: RunSpec, device: torch.device, artifacts: _Artifacts | None = Non
     p, t = spec.parallel, spec.train
     mesh = dist.device_mesh.init_device_mesh(device.type, (p.pp, p.dp, p.cp, p.tp), mesh_dim_names=MESH_DIMS)
     torch.manual_seed(MODEL_SEED)
-    model = Llama(spec.model, seq_len=t.seq_len)
+    model = Llama(spec.model, seq_len=t.seq_len, attention=t.attention)
     tokens, targets = synthetic_batch(spec)
     per_rank = t.micro_batch_size * t.num_microbatches
     dp_rank = mesh["dp"].get_local_rank()

@@ -11,6 +11,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -40,6 +41,10 @@ class Parallelized:
     loss_parallel: bool
     autocast_dtype: torch.dtype | None
     positions: torch.Tensor | None = None
+    # Tied embeddings under pipelining: this rank's copy of the shared matrix (embedding on the first
+    # stage, head on the last) and the group of the two stages that hold it.
+    tied_weight: nn.Parameter | None = None
+    tied_group: object | None = None
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -66,7 +71,7 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
             apply_tp(mod, mesh["tp"], sequence_parallel=p.sequence_parallel, loss_parallel=use_loss_parallel)
         if p.cp > 1:
             positions = apply_cp(mod, mesh["cp"], seq_len=t.seq_len, load_balance=p.cp_load_balance)
-        apply_recompute(mod, mode=t.recompute)
+        apply_recompute(mod, mode=t.recompute, every=t.recompute_every)
     if p.zero_stage >= 2 and dp_cp is not None:
         for mod in modules:
             apply_fsdp(
@@ -80,6 +85,12 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
             apply_replicate(mod, dp_cp, param_dtype=torch.bfloat16 if bf16 else torch.float32)
     elif dp_cp is not None:
         modules = [apply_ddp(mod, dp_cp, tensor_parallel=p.tp > 1) for mod in modules]
+    tied_weight, tied_group = None, None
+    if spec.model.tie_embeddings and p.pp > 1:
+        tied_group = tied_embedding_group(mesh)
+        ends = [m.tok_embeddings.weight for m in modules if m.tok_embeddings is not None]
+        ends += [m.output.weight for m in modules if m.output is not None]
+        tied_weight = ends[0] if ends else None
     params = [q for mod in modules for q in mod.parameters()]
     optimizer = make_optimizer(params, zero_stage=p.zero_stage, mesh=dp_cp, lr=LEARNING_RATE, eps=ADAM_EPS)
     schedule = None
@@ -106,7 +117,44 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
         loss_parallel=use_loss_parallel,
         autocast_dtype=autocast,
         positions=positions,
+        tied_weight=tied_weight,
+        tied_group=tied_group,
     )
+
+
+def tied_embedding_group(mesh: DeviceMesh):
+    """The group of the first and the last pipeline stage's ranks at this rank's (dp, cp, tp) position
+    (Megatron's embedding group), or None where this rank is on neither end.
+
+    Under pipelining a tied model holds two copies of the shared matrix, the embedding on the first
+    stage and the head on the last; summing their gradients there before every optimizer step keeps
+    the copies equal (Megatron's ``_allreduce_embedding_grads``). Every rank creates every group, in the
+    same order, as ``new_group`` requires."""
+    grid = mesh.mesh  # global ranks, indexed (pp, dp, cp, tp)
+    mine = None
+    for a, b in zip(grid[0].flatten().tolist(), grid[-1].flatten().tolist(), strict=True):
+        group = dist.new_group([a, b])
+        if dist.get_rank() in (a, b):
+            mine = group
+    return mine
+
+
+@torch.no_grad()
+def sync_tied_weight(par: Parallelized) -> None:
+    """Sum the tied matrix's gradient over the first and last stage (see :func:`tied_embedding_group`).
+
+    Under tp the two ends' gradients are laid out differently: the head's is vocabulary-sharded like
+    its weight, the embedding's comes back replicated (DTensor's embedding backward); both are brought
+    to the weight's own layout, the same on both ends, before they are summed."""
+    weight = par.tied_weight
+    if weight is None or weight.grad is None:
+        return
+    grad = weight.grad
+    if hasattr(grad, "redistribute"):
+        if grad.placements != weight.placements:
+            grad = weight.grad = grad.redistribute(placements=weight.placements)
+        grad = grad.to_local()
+    dist.all_reduce(grad, group=par.tied_group)
 
 
 def _sync_context(module: nn.Module, *, last: bool):
@@ -162,6 +210,7 @@ def train_step(
             out = (out.full_tensor() if hasattr(out, "full_tensor") else out).detach().float()
             total = out if total is None else total + out
         loss = total
+    sync_tied_weight(par)
     par.optimizer.step()
     par.optimizer.zero_grad(set_to_none=True)
     return loss

@@ -10,10 +10,11 @@ token positions. With load balancing the sequence is cut into 2·cp chunks and r
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import all_gather_tensor_autograd
 from torch.distributed.device_mesh import DeviceMesh
+
+from harness.runner.model import sdpa
 
 
 def local_positions(seq_len: int, *, rank: int, cp: int, load_balance: bool) -> torch.Tensor:
@@ -33,19 +34,21 @@ def shard_sequence(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 class AllGatherKVAttention:
-    """A causal attention core over K and V gathered from every context-parallel rank."""
+    """A causal attention core over K and V gathered from every context-parallel rank, on SDPA's
+    ``kernel`` (the model's ``train.attention``)."""
 
-    def __init__(self, cp_mesh: DeviceMesh, positions: torch.Tensor, all_positions: torch.Tensor):
+    def __init__(
+        self, cp_mesh: DeviceMesh, positions: torch.Tensor, all_positions: torch.Tensor, *, kernel: str
+    ):
         self.cp_mesh = cp_mesh
+        self.kernel = kernel
         # mask[i, j]: local query i may attend to gathered key j.
         self.mask = positions[:, None] >= all_positions[None, :]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_all = all_gather_tensor_autograd(k.contiguous(), gather_dim=2, group=self.cp_mesh)
         v_all = all_gather_tensor_autograd(v.contiguous(), gather_dim=2, group=self.cp_mesh)
-        return F.scaled_dot_product_attention(
-            q, k_all, v_all, attn_mask=self.mask, enable_gqa=q.shape[1] != k_all.shape[1]
-        )
+        return sdpa(q, k_all, v_all, kernel=self.kernel, attn_mask=self.mask)
 
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, seq_len: int, load_balance: bool) -> torch.Tensor:
@@ -55,8 +58,10 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, seq_len: int, load_balanc
     everyone = torch.cat(
         [local_positions(seq_len, rank=r, cp=cp, load_balance=load_balance) for r in range(cp)]
     )
-    core = AllGatherKVAttention(cp_mesh, mine, everyone)
-    for block in model.layers.values():
+    blocks = list(model.layers.values())
+    # One core (one mask) shared by every layer; the layers share one kernel.
+    core = AllGatherKVAttention(cp_mesh, mine, everyone, kernel=blocks[0].attention.kernel)
+    for block in blocks:
         attn = block.attention
         attn.rope_cos = attn.rope_cos.index_select(0, mine)
         attn.rope_sin = attn.rope_sin.index_select(0, mine)

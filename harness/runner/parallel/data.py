@@ -45,16 +45,16 @@ def apply_replicate(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dt
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh, *, tensor_parallel: bool) -> nn.Module:
     """DDP over ``mesh``'s group; with tensor parallelism, DTensor parameters are first exposed as local
-    tensors (``_pre_dp_module_transform``, PyTorch's recipe for DDP + TP).
+    tensors (``localize_for_ddp``: PyTorch's recipe for DDP + TP, keeping tied embeddings tied).
 
     Buffers are not synchronised: the only ones are the rotary tables, which context parallelism makes
     different on every cp rank (each holds its own token positions); DDP would overwrite them with rank
     0's, at construction and before every forward.
     """
     if tensor_parallel:
-        from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+        from harness.runner.parallel.tensor import localize_for_ddp
 
-        _pre_dp_module_transform(model)
+        localize_for_ddp(model)
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         model, [name for name, _ in model.named_buffers()]
     )

@@ -4,6 +4,11 @@ The plan is torchtitan's Llama plan: column-parallel Q/K/V and SwiGLU gate/up, r
 projections; with sequence parallelism the norms run on sequence shards and the inputs of attention and
 MLP are all-gathered (``PrepareModuleInput``). The head's output stays vocabulary-sharded for
 ``loss_parallel`` when the loss is computed on this rank's logits directly (no pipeline).
+
+Tied embeddings stay tied: the embedding (row-parallel) and the head (column-parallel) both shard the
+(v, h) matrix by vocabulary rows, ``Shard(0)``, so after ``parallelize_module`` (which gives each module
+a DTensor of its own) the head takes the embedding's. Before this, tp > 1 trained a tied model untied
+(issue 15).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.distributed.tensor.parallel._data_parallel_utils import sync_grad_hook
 
 
 class ReplicateParallel(ParallelStyle):
@@ -97,8 +103,51 @@ def model_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> None:
     """Shard ``model`` (a Llama or a pipeline stage of one) over ``tp_mesh`` in place."""
+    tied = model.spec.tie_embeddings and model.tok_embeddings is not None and model.output is not None
     parallelize_module(
         model, tp_mesh, model_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     )
+    if tied:
+        model.output.weight = model.tok_embeddings.weight  # both Shard(0): one parameter again
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, layer_plan(sequence_parallel=sequence_parallel))
+
+
+def localize_for_ddp(model: nn.Module) -> None:
+    """Expose DTensor parameters to DDP as local tensors, DTensors again during forward: PyTorch's
+    ``_pre_dp_module_transform`` (its recipe for DDP + TP), keeping shared parameters shared.
+
+    PyTorch's version walks ``named_parameters()``, which names a shared parameter once, so it swaps the
+    embedding's weight and leaves the tied head holding the old DTensor, untied again. Here every
+    (module, name) that holds a parameter is swapped together.
+    """
+    holders: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
+    for mod in model.modules():
+        for name, param in mod.named_parameters(recurse=False):
+            if isinstance(param, DTensor):
+                holders.setdefault(param, []).append((mod, name))
+    table = []
+    for param, where in holders.items():
+        local = nn.Parameter(param._local_tensor)
+        # Gradients arriving as async collective results are waited on before DDP reads them.
+        local.register_hook(sync_grad_hook)
+        table.append((local, param._spec, where))
+
+    def localize(*_: object) -> None:
+        for local, _spec, where in table:
+            for mod, name in where:
+                delattr(mod, name)
+                mod.register_parameter(name, local)
+
+    def reconstruct(*_: object) -> None:
+        for local, spec, where in table:
+            full = DTensor.from_local(
+                local, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride
+            )
+            for mod, name in where:
+                delattr(mod, name)
+                setattr(mod, name, full)  # a plain attribute for this forward, not a parameter
+
+    localize()
+    model.register_forward_pre_hook(reconstruct)
+    model.register_forward_hook(localize)
