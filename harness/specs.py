@@ -23,7 +23,18 @@ PRECISIONS = ("bf16", "fp32")
 ATTENTION = ("flash", "math")
 # Fields added after the first study, left out of the hashed payload (config_id, raw_id) while they hold
 # this default, so that every spec that existed before keeps its id.
-ADDED_FIELD_DEFAULTS = {"train": {"recompute_every": 1}}
+ADDED_FIELD_DEFAULTS = {
+    "train": {"recompute_every": 1},
+    # The device's memory-beside-tensors constants and step-time figures: config_id hashes only the
+    # device's name and capacity; raw_id (invalid points) leaves them out while they hold the default.
+    "device": {
+        "cuda_context_mib": 0.0,
+        "nccl_mib_per_communicator": 0.0,
+        "cublas_workspace_mib": 0.0,
+        "memory_gbps": None,
+        "link_latency_us": None,
+    },
+}
 # Bumped whenever the canonical form or the hashed fields change: old results then get new ids
 # instead of silently matching runs of a different meaning.
 CONFIG_ID_VERSION = 1
