@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from harness import __version__
-from harness.cli.config import ConfigError, compose, engine_name, run_spec
+from harness.cli.config import ConfigError, compose, engine_name, gpu_scale_defaults, run_spec
 from harness.specs import InvalidSpec
 
 USAGE = f"""harness {__version__}: which 4D-parallel training configuration fits in memory, and which runs
@@ -52,7 +52,7 @@ def _estimate(overrides: Sequence[str]) -> int:
     from harness.cli.render import estimate_table
     from harness.estimate import estimate
 
-    cfg = compose(overrides)
+    cfg = compose(_gpu_scale(overrides))
     fmt, threshold = _output_settings(cfg)
     est = estimate(run_spec(cfg), engine=engine_name(cfg))
     profile = _profile(cfg)
@@ -73,6 +73,14 @@ def _estimate(overrides: Sequence[str]) -> int:
     return 0
 
 
+def _gpu_scale(overrides: Sequence[str]) -> list[str]:
+    """The published study's device and training shape for a GPU-scale model, said on stderr."""
+    overrides, note = gpu_scale_defaults(overrides)
+    if note:
+        print(note, file=sys.stderr)
+    return overrides
+
+
 def _profile(cfg: dict):
     """The calibration profile named by ``calibration=`` (None when unset)."""
     if not cfg.get("calibration"):
@@ -86,7 +94,7 @@ def _plan(overrides: Sequence[str]) -> int:
     from harness.cli.render import plan_json, plan_table
     from harness.estimate.plan import PlanOptions, plan
 
-    cfg = compose(overrides)
+    cfg = compose(_gpu_scale(overrides))
     fmt, threshold = _output_settings(cfg)
     p = cfg["plan"]
     opts = PlanOptions(
