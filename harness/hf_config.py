@@ -71,13 +71,18 @@ def model_fields(path: str | Path) -> dict[str, Any]:
         f"{key} ({what})"
         for what, keys in UNSUPPORTED.items()
         for key in keys
-        if key in cfg and _switched_on(cfg[key])
+        if key in cfg
+        and _switched_on(cfg[key])
         and not (key == "layer_types" and set(cfg[key]) <= {"full_attention"})
     ]
     if refused:
         raise HFConfigError(f"{where}: cannot model {', '.join(refused)}: only dense Llama-family models")
 
-    missing = [key for field, key in FIELDS.items() if key not in cfg and field not in ("num_kv_heads", "tie_embeddings")]
+    missing = [
+        key
+        for field, key in FIELDS.items()
+        if key not in cfg and field not in ("num_kv_heads", "tie_embeddings")
+    ]
     if missing:
         raise HFConfigError(f"{where}: missing {', '.join(missing)}")
     out: dict[str, Any] = {"name": path.resolve().parent.name or "hf_model"}
@@ -88,10 +93,15 @@ def model_fields(path: str | Path) -> dict[str, Any]:
         out["num_kv_heads"] = out["num_heads"]
     if out["tie_embeddings"] is None:
         out["tie_embeddings"] = False
-    wrong = [f"{FIELDS[f]}={v!r}" for f, v in out.items() if f != "name" and f != "tie_embeddings"
-             and (not isinstance(v, int) or isinstance(v, bool))]
+    wrong = [
+        f"{FIELDS[f]}={v!r}"
+        for f, v in out.items()
+        if f != "name" and f != "tie_embeddings" and (not isinstance(v, int) or isinstance(v, bool))
+    ]
     if wrong or not isinstance(out["tie_embeddings"], bool):
-        raise HFConfigError(f"{where}: {', '.join(wrong) or 'tie_word_embeddings'} must be an integer/boolean")
+        raise HFConfigError(
+            f"{where}: {', '.join(wrong) or 'tie_word_embeddings'} must be an integer/boolean"
+        )
     head_dim = cfg.get("head_dim")
     if head_dim is not None and out["num_heads"] and head_dim * out["num_heads"] != out["hidden_size"]:
         raise HFConfigError(
