@@ -99,12 +99,62 @@ def _plan(overrides: Sequence[str]) -> int:
         engine=engine_name(cfg),
         calibration=_profile(cfg),
     )
+    if p.get("solve") is not None:
+        return _plan_solve(cfg, opts, fmt)
     result = plan(run_spec(cfg), opts)
     if fmt == "json":
         print(json.dumps(plan_json(result, opts), indent=2))
     else:
         print(plan_table(result, opts, top=int(p["top"]), explain=bool(cfg.get("explain"))))
+    _emit(cfg, [r.estimate.spec for r in result.fitting[: int(p["top"])]], fmt, opts)
     return 0
+
+
+def _plan_solve(cfg: dict, opts, fmt: str) -> int:
+    """``plan.solve=min_gpus|max_micro_batch|max_seq_len``: a reverse question (harness.estimate.solve)."""
+    from harness.cli.render import solve_json, solve_table
+    from harness.estimate import solve as sv
+
+    p, question, base = cfg["plan"], cfg["plan"]["solve"], run_spec(cfg)
+    if question == "min_gpus":
+        solution = sv.min_gpus(base, opts, max_gpus=int(p["max_gpus"]))
+    elif question == "max_micro_batch":
+        solution = sv.max_micro_batch(base, opts)
+    elif question == "max_seq_len":
+        solution = sv.max_seq_len(base, opts)
+    else:
+        raise ValueError(f"plan.solve={question!r} must be null or one of {', '.join(sv.QUESTIONS)}")
+    top = int(p["top"])
+    if fmt == "json":
+        print(json.dumps(solve_json(solution, opts), indent=2))
+    else:
+        print(solve_table(solution, opts, top=top, explain=bool(cfg.get("explain"))))
+    if solution.plan is not None:
+        specs = [r.estimate.spec for r in solution.plan.fitting[:top]]
+    else:
+        specs = [] if solution.best is None else [solution.best.estimate.spec]
+    _emit(cfg, specs, fmt, opts)
+    return 0
+
+
+def _emit(cfg: dict, specs: list, fmt: str, opts) -> None:
+    """``plan.emit=DIR/study/NAME.yaml``: the layouts as a study for ``harness sweep``, and the command."""
+    path = cfg["plan"].get("emit")
+    if not path:
+        return
+    from harness.cli.config import config_dir
+    from harness.cli.emit import write_study
+
+    how = ""
+    if specs:
+        first = specs[0]
+        how = (
+            f"{first.model.name} on {first.parallel.world} × {first.device.name}, engine {opts.engine}, "
+            f"threshold {opts.threshold:g}"
+        )
+    target, command = write_study(path, specs, how=how, config_dir=config_dir())
+    out = sys.stderr if fmt == "json" else sys.stdout
+    print(f"study: {target} ({len(specs)} layouts); measure them: {command}", file=out)
 
 
 def _run(overrides: Sequence[str]) -> int:

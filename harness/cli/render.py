@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import Any
@@ -266,6 +267,103 @@ def plan_table(result: PlanResult, opts: PlanOptions, *, top: int, explain: bool
     short = PLAN_LEGEND.split("; memory")[0] + "; explain=true: every column"
     lines += ["", *_legend(PLAN_LEGEND if explain else short)]
     return "\n".join(lines)
+
+
+SOLVE_WHAT = {
+    "min_gpus": "fewest devices on which a layout fits",
+    "max_micro_batch": "largest micro-batch that fits",
+    "max_seq_len": "longest sequence that fits",
+}
+
+
+def _verdict(row: PlanRow) -> str:
+    return f"{human(row.predicted_bytes)} = {row.utilisation:.2%} utilisation"
+
+
+def solve_table(solution, opts: PlanOptions, *, top: int, explain: bool = False) -> str:
+    """``plan plan.solve=...``: the answer, the estimate at it and at the first value past it."""
+    q = solution.question
+    shown = solution.best or solution.over
+    lines = []
+    if shown is not None:
+        spec = shown.estimate.spec
+        lines.append(
+            f"{spec.model.name} on {spec.device.name}, engine {opts.engine}, threshold {opts.threshold:.0%}"
+            + (f" (calibrated: {opts.calibration.path})" if opts.calibration is not None else "")
+        )
+        if q != "min_gpus":
+            lines += [f"layout  {layout_line(spec)}", f"train   {train_line(spec)}"]
+    tried = ", ".join(map(str, solution.tried))
+    if solution.answer is None:
+        why = {
+            "min_gpus": f"no layout fits on any of {tried} devices (plan.max_gpus to try more)",
+            "max_micro_batch": f"not even micro-batch 1 fits: {_verdict(solution.over)}",
+            "max_seq_len": f"not even {solution.tried[0]} tokens fit: {_verdict(solution.over)}"
+            if solution.over
+            else "",
+        }[q]
+        lines.append(f"{SOLVE_WHAT[q]}: none; {why}")
+        return "\n".join(lines)
+    if q == "min_gpus":
+        spec = solution.best.estimate.spec
+        per_node = spec.device.gpus_per_node
+        nodes = -(-solution.answer // per_node)
+        lines += [
+            f"{SOLVE_WHAT[q]}: {solution.answer} ({nodes} node{'s' * (nodes > 1)} of {per_node}); "
+            f"tried {tried}",
+            "",
+            plan_table(
+                solution.plan, dataclasses.replace(opts, gpus=solution.answer), top=top, explain=explain
+            ),
+        ]
+        return "\n".join(lines)
+    def said(v: int) -> str:
+        return f"micro-batch {v}" if q == "max_micro_batch" else f"{v} tokens"
+
+    lines.append(f"{SOLVE_WHAT[q]}: {said(solution.answer)} → {_verdict(solution.best)}")
+    if solution.over is not None:
+        past = solution.over.estimate.spec.train
+        value = past.micro_batch_size if q == "max_micro_batch" else past.seq_len
+        lines.append(f"  {said(value)} would need {_verdict(solution.over)}")
+    else:
+        lines.append("  (the search limit: more may fit)")
+    if q == "max_seq_len":
+        lines.append(f"  (sequence lengths tried in steps of {solution.tried[0]} tokens: {tried})")
+    else:
+        lines.append(f"  (tried {tried})")
+    return "\n".join(lines)
+
+
+def solve_json(solution, opts: PlanOptions) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "solve": solution.question,
+        "answer": solution.answer,
+        "engine": opts.engine,
+        "threshold": opts.threshold,
+        "tried": list(solution.tried),
+        "best": None if solution.best is None else _solve_row(solution.best),
+        "over": None if solution.over is None else _solve_row(solution.over),
+    }
+    if solution.plan is not None:
+        out["plan"] = plan_json(solution.plan, dataclasses.replace(opts, gpus=solution.answer))
+    out["units"] = JSON_UNITS
+    return out
+
+
+def _solve_row(row: PlanRow) -> dict[str, Any]:
+    fields = _row_fields(row) if row.cost is not None else {}
+    spec = row.estimate.spec
+    fields.update(
+        config_id=config_id(spec),
+        world_size=spec.parallel.world,
+        train_micro_batch_size=spec.train.micro_batch_size,
+        train_seq_len=spec.train.seq_len,
+        total_bytes=row.estimate.total_bytes,
+        calibrated_bytes=row.calibrated_bytes,
+        utilisation=row.utilisation,
+        fits=row.fits,
+    )
+    return fields
 
 
 def _clean(value: Any) -> Any:
