@@ -320,7 +320,8 @@ def solve_table(solution, opts: PlanOptions, *, top: int, explain: bool = False)
     def said(v: int) -> str:
         return f"micro-batch {v}" if q == "max_micro_batch" else f"{v} tokens"
 
-    lines.append(f"{SOLVE_WHAT[q]}: {said(solution.answer)} → {_verdict(solution.best)}")
+    answer = str(solution.answer) if q == "max_micro_batch" else said(solution.answer)
+    lines.append(f"{SOLVE_WHAT[q]}: {answer} → {_verdict(solution.best)}")
     if solution.over is not None:
         past = solution.over.estimate.spec.train
         value = past.micro_batch_size if q == "max_micro_batch" else past.seq_len
