@@ -317,6 +317,7 @@ def solve_table(solution, opts: PlanOptions, *, top: int, explain: bool = False)
             ),
         ]
         return "\n".join(lines)
+
     def said(v: int) -> str:
         return f"micro-batch {v}" if q == "max_micro_batch" else f"{v} tokens"
 
