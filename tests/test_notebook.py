@@ -48,7 +48,8 @@ def test_analysis_notebook_shows_figures_inline_under_ipython(tmp_path):
     (fake / "__init__.py").write_text(  # enough of a shell for matplotlib's REPL hook too
         "from types import SimpleNamespace\n"
         "version_info = (9, 0)\n"
-        "_shell = SimpleNamespace(events=SimpleNamespace(register=lambda *a: None), enable_gui=lambda *a: None)\n"
+        "_events = SimpleNamespace(register=lambda *a: None)\n"
+        "_shell = SimpleNamespace(events=_events, enable_gui=lambda *a: None)\n"
         "def get_ipython():\n    return _shell\n"
     )
     (fake / "display.py").write_text(
