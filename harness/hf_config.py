@@ -9,6 +9,7 @@ the fields, rather than estimated as if it were a dense Llama.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +52,8 @@ def _switched_on(value: Any) -> bool:
 
 def model_fields(path: str | Path) -> dict[str, Any]:
     """ModelSpec fields (and ``name``: the config's folder) from a Llama-family ``config.json``."""
-    path = Path(path)
     where = f"model.hf_config={path}"
+    path = Path(path).expanduser()
     try:
         cfg = json.loads(path.read_text())
     except OSError as exc:
@@ -85,7 +86,10 @@ def model_fields(path: str | Path) -> dict[str, Any]:
     ]
     if missing:
         raise HFConfigError(f"{where}: missing {', '.join(missing)}")
-    out: dict[str, Any] = {"name": path.resolve().parent.name or "hf_model"}
+    # The name: the model's folder (…/Meta-Llama-3-8B/config.json), else the file's stem; only
+    # characters a Hydra override takes as they are.
+    label = path.resolve().parent.name if path.name == "config.json" else path.stem
+    out: dict[str, Any] = {"name": re.sub(r"[^A-Za-z0-9_.-]", "_", label) or "hf_model"}
     for field, key in FIELDS.items():
         out[field] = cfg.get(key)
     # transformers' defaults: no GQA (kv heads = heads), untied embeddings (LlamaConfig).
