@@ -132,4 +132,5 @@ def test_emitted_study_is_swept_as_it_is(tmp_path, capsys):
 
 def test_emit_path_must_be_a_study_folder(tmp_path, capsys):
     assert main(["plan", "model=small", "device.memory_gib=1", f"plan.emit={tmp_path}/my_plan.yaml"]) == 2
-    assert "write it as DIR/study/NAME.yaml" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "write it as DIR/study/NAME.yaml" in captured.err and captured.out == ""  # before any work

@@ -99,6 +99,11 @@ def _plan(overrides: Sequence[str]) -> int:
         engine=engine_name(cfg),
         calibration=_profile(cfg),
     )
+    if p.get("emit"):  # a path Hydra could not find as a study fails before the work, not after
+        from harness.cli.config import config_dir
+        from harness.cli.emit import study_target
+
+        study_target(p["emit"], config_dir())
     if p.get("solve") is not None:
         return _plan_solve(cfg, opts, fmt)
     result = plan(run_spec(cfg), opts)
