@@ -278,7 +278,8 @@ def command_help(command: str, cfg: dict[str, Any] | None, presets: dict[str, li
     if command == "results":
         lines.append("usage: harness results status|compact [results_dir=DIR]")
     else:
-        lines.append(f"usage: harness {command} [group=preset ...] [key=value ...]")
+        groups_part = "[group=preset ...] " if group_names else ""
+        lines.append(f"usage: harness {command} {groups_part}[key=value ...]")
     if group_names:
         lines += ["", "groups (group=preset):"]
         for g in group_names:

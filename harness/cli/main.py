@@ -337,17 +337,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(__version__)
         return 0
     command, overrides = args[0], args[1:]
-    if command in COMMAND_HELP and ({"-h", "--help", "--cfg"} & set(overrides)):
-        return _help(command, overrides)
-    if command not in COMMANDS:
+    wants_help = command in COMMAND_HELP and bool({"-h", "--help", "--cfg"} & set(overrides))
+    if command not in COMMANDS and not wants_help:
         print(f"harness: unknown command {command!r} (commands: {', '.join(COMMANDS)})", file=sys.stderr)
         return 2
     bad = [o for o in overrides if "=" not in o and not (command == "results" and o == overrides[0])]
-    if bad:
+    if bad and not wants_help:
         print(f"harness {command}: error: override {bad[0]!r} is not key=value", file=sys.stderr)
         return 2
     try:
-        return COMMANDS[command](overrides)
+        return _help(command, overrides) if wants_help else COMMANDS[command](overrides)
     except BrokenPipeError:
         # `harness plan ... | head`: the reader left; say nothing more.
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keeps Python's exit flush quiet
