@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")  # files only, never a window (and no display on a cluster node)
 import matplotlib.pyplot as plt
@@ -37,8 +38,16 @@ def _save(fig, out_dir: Path, name: str) -> list[Path]:
     return paths
 
 
+def _capacities_mib(ev: Evaluation) -> list[float]:
+    """The device capacities of the runs (MiB), at most three (the figure's lines)."""
+    return sorted({float(c) / MIB for c in np.unique(ev.data.capacity)})[:3]
+
+
 def predicted_vs_measured(ev: Evaluation, out_dir: Path) -> list[Path]:
-    """Predicted vs measured peak, log axes, identity and +/-10 % band, one panel per estimator."""
+    """Predicted vs measured peak, log axes, identity and +/-10 % band, one panel per estimator, with
+    the device capacity (a run right of it ran out of memory, a prediction above it says it would).
+    No panel is in-sample: the three engines fit nothing, and the calibrated one predicts each run
+    from a fit that did not see its group (the panels say so)."""
     data = ev.data
     m = data.measured
     y = data.frame["peak_allocated_bytes"].to_numpy(dtype=float) / MIB
@@ -57,9 +66,19 @@ def predicted_vs_measured(ev: Evaluation, out_dir: Path) -> list[Path]:
                 ax.scatter(
                     y[rows], pred[rows], s=14, c=color, marker=marker, lw=1, label=f"{label} ({rows.sum()})"
                 )
+        for k, cap in enumerate(_capacities_mib(ev)):
+            label = "device capacity" if k == 0 else None
+            ax.axvline(cap, color="tab:red", ls="--", lw=0.9, label=label)
+            ax.axhline(cap, color="tab:red", ls="--", lw=0.9)
         met = ev.metrics[name]
+        sample = (
+            f"out-of-sample: held out by {ev.group_by}"
+            if name == "calibrated"
+            else "analytical: nothing fitted"
+        )
         ax.set_title(
-            f"{LABELS[name]}\nmedian APE {met['median_ape']:.1%}, p95 {met['p95_ape']:.1%}", fontsize=9
+            f"{LABELS[name]}\n{sample}; median APE {met['median_ape']:.1%}, p95 {met['p95_ape']:.1%}",
+            fontsize=9,
         )
         ax.set_xscale("log")
         ax.set_yscale("log")
@@ -71,13 +90,20 @@ def predicted_vs_measured(ev: Evaluation, out_dir: Path) -> list[Path]:
     for ax in axes[:, 0]:
         ax.set_ylabel("predicted peak per rank (MiB)")
     axes[0, 0].legend(loc="upper left", fontsize=8)
-    fig.suptitle(f"Predicted vs measured peak memory ({int(m.sum())} runs with a measured peak)")
+    fig.suptitle(
+        f"Predicted vs measured peak memory ({int(m.sum())} runs with a measured peak); no panel is "
+        "in-sample; dashed red: device capacity"
+    )
     return _save(fig, out_dir, "predicted_vs_measured")
+
+
+UTILISATION_AXIS = (0.5, 1.3)  # where fit-or-not decisions are made; the rest is counted, not drawn
 
 
 def utilisation_vs_outcome(ev: Evaluation, out_dir: Path) -> list[Path]:
     """Each run's predicted utilisation and whether it ran out of memory, per estimator, with the
-    learned safe threshold and the paper's 80 % rule."""
+    learned safe threshold and the paper's 80 % rule, on a linear axis over 0.5-1.3 (runs outside
+    it are counted in each panel's title)."""
     data = ev.data
     oom = data.oom
     rng = np.random.default_rng(0)  # jitter only; fixed so the figure is reproducible
@@ -96,11 +122,18 @@ def utilisation_vs_outcome(ev: Evaluation, out_dir: Path) -> list[Path]:
         ax.axvline(1.0, color="0.6", lw=0.8, ls=":")
         ax.set_yticks([0, 1], ["ran", "out of\nmemory"])
         ax.set_ylim(-0.5, 1.5)
-        ax.set_xscale("log")
-        ax.set_title(LABELS[name], fontsize=9, loc="left")
+        lo, hi = UTILISATION_AXIS
+        ax.set_xlim(lo, hi)
+        below, above = int((util < lo).sum()), int((util > hi).sum())
+        ax.set_title(
+            f"{LABELS[name]}   (not shown: {below} runs below {lo:.0%}, {above} above {hi:.0%})",
+            fontsize=9,
+            loc="left",
+        )
         ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
         ax.grid(True, axis="x", which="both", alpha=0.3)
-    axes[-1].set_xlabel("predicted peak / device capacity (utilisation, log scale)")
+    axes[-1].set_xlabel("predicted peak / device capacity (utilisation)")
+    axes[-1].xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     fig.suptitle("Out of memory against predicted utilisation")
     return _save(fig, out_dir, "utilisation_vs_outcome")
 
@@ -121,9 +154,8 @@ def throughput_heatmap(frame: pd.DataFrame, out_dir: Path) -> list[Path]:
     scale, unit = throughput_unit(ok)
     tps, pps = sorted(ok["parallel_tp"].unique()), sorted(ok["parallel_pp"].unique())
     fig, axes = plt.subplots(
-        len(models), len(worlds), figsize=(3.2 * len(worlds), 2.8 * len(models)), squeeze=False
+        len(models), len(worlds), figsize=(3.9 * len(worlds), 3.2 * len(models)), squeeze=False
     )
-    vmax = ok["tflops_per_device"].max() * scale
     for i, model in enumerate(models):
         for j, world in enumerate(worlds):
             ax = axes[i, j]
@@ -133,18 +165,26 @@ def throughput_heatmap(frame: pd.DataFrame, out_dir: Path) -> list[Path]:
                 sub.groupby(["parallel_tp", "parallel_pp"])["tflops_per_device"].max().items()
             ):
                 grid[tps.index(tp), pps.index(pp)] = val * scale
-            im = ax.imshow(grid, cmap="viridis", vmin=0, vmax=vmax, origin="lower")
+            # A colour scale per panel: models and world sizes differ by orders of magnitude, and one
+            # shared scale leaves every small panel in its dark end.
+            vmin, vmax = (np.nanmin(grid), np.nanmax(grid)) if not np.isnan(grid).all() else (0, 1)
+            if vmin == vmax:
+                vmin = 0.0
+            im = ax.imshow(grid, cmap="viridis", vmin=vmin, vmax=vmax, origin="lower")
+            fig.colorbar(im, ax=ax, shrink=0.8)
             for (a, b), val in np.ndenumerate(grid):
                 if not np.isnan(val):
                     ax.text(b, a, f"{val:.1f}", ha="center", va="center", fontsize=8,
-                            color="w" if val < vmax * 0.6 else "k")  # fmt: skip
+                            color="w" if val < vmin + (vmax - vmin) * 0.6 else "k")  # fmt: skip
             ax.set_xticks(range(len(pps)), [str(p) for p in pps])
             ax.set_yticks(range(len(tps)), [str(t) for t in tps])
             ax.set_xlabel("pp")
             ax.set_ylabel("tp")
             ax.set_title(f"{model}, {int(world)} ranks", fontsize=9)
-    fig.colorbar(im, ax=axes, shrink=0.8, label=f"best model {unit} per rank")
-    fig.suptitle(f"Throughput per rank by tensor x pipeline degree (blank: no successful run); {unit}")
+    fig.suptitle(
+        f"Best model {unit} per rank by tensor x pipeline degree (blank: no successful run); each panel "
+        "has its own colour scale"
+    )
     return _save(fig, out_dir, "throughput_tp_pp")
 
 
@@ -169,13 +209,15 @@ def residuals_by_term(ev: Evaluation, out_dir: Path) -> list[Path]:
     y = np.arange(len(names))
     lo, hi = ev.fold_coefs.min(axis=0), ev.fold_coefs.max(axis=0)
     colors = ["0.6" if n in model.unfitted_ else "tab:blue" for n in names]
-    left.barh(y, model.coef_, color=colors)
+    # Bars grow from 1 (the analytical term as is) on a linear axis centred on 1.
+    left.barh(y, model.coef_ - 1.0, left=1.0, color=colors)
     spread = [model.coef_ - np.minimum(lo, model.coef_), np.maximum(hi, model.coef_) - model.coef_]
     left.errorbar(model.coef_, y, xerr=spread, fmt="none", ecolor="k", lw=1, capsize=2)
     left.axvline(1.0, color="tab:green", ls="--", lw=1, label="1 = the analytical term as is")
     left.set_yticks(y, names)
     left.invert_yaxis()
-    left.set_xscale("symlog", linthresh=1)
+    reach = max(0.1, float(np.max(np.abs(np.concatenate([lo, hi, model.coef_]) - 1.0)))) * 1.15
+    left.set_xlim(1.0 - reach, 1.0 + reach)
     left.set_xlabel("coefficient (grey: no data, kept at 1)")
     left.set_title(f"Fitted coefficient per term; constant {model.constant_bytes_ / MIB:.1f} MiB", fontsize=9)
     left.legend(fontsize=8, loc="lower right")

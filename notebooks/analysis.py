@@ -34,11 +34,28 @@ from harness.plots import all_figures, world_of
 from harness.report import layout_label
 from harness.store import load_results
 
+try:  # in Jupyter (IPython) tables and figures are shown inline; as a script they are printed
+    from IPython import get_ipython
+    from IPython.display import Image, display
+
+    INLINE = get_ipython() is not None
+except ImportError:
+    INLINE = False
+
+
+def show(obj):
+    """A table or figure inline in Jupyter; its text (a table) or nothing (a figure) as a script."""
+    if INLINE:
+        display(obj)
+    elif hasattr(obj, "to_string"):
+        print(obj.to_string())
+
+
 RESULTS_DIR = Path(os.environ.get("HARNESS_RESULTS_DIR", "results/cpu_study"))
 OUT = Path(os.environ.get("HARNESS_NOTEBOOK_OUT", RESULTS_DIR / "notebook_figures"))
 frame, unreadable = load_results(RESULTS_DIR)
 print(f"{len(frame)} runs from {RESULTS_DIR}; unreadable files: {unreadable or 'none'}")
-frame["status"].value_counts()
+show(frame["status"].value_counts())
 
 # %% [markdown]
 # ## Outcomes by world size
@@ -46,7 +63,7 @@ frame["status"].value_counts()
 
 # %%
 ran = frame[frame["status"] != "invalid"]
-pd.crosstab(world_of(ran), ran["status"], margins=True)
+show(pd.crosstab(world_of(ran), ran["status"], margins=True))
 
 # %% [markdown]
 # ## Each estimator on held-out runs
@@ -72,14 +89,18 @@ measured["calibrated_error"] = (
 )
 measured["layout"] = measured.apply(layout_label, axis=1)
 worst = measured.reindex(measured["torch_error"].abs().sort_values(ascending=False).index)
-worst[["model_name", "layout", "train_seq_len", "torch_error", "calibrated_error"]].head(10)
+print("the ten largest errors of the raw torch engine (predicted / measured - 1):")
+show(worst[["model_name", "layout", "train_seq_len", "torch_error", "calibrated_error"]].head(10))
 
 # %% [markdown]
 # ## Figures
-# Predicted vs measured (log axes, ±10 % band), out of memory against utilisation, coefficients and
-# residuals, throughput by tp × pp.
+# Predicted vs measured (log axes, ±10 % band, device capacity dashed), out of memory against
+# utilisation (0.5-1.3), coefficients around 1 and residuals, throughput by tp × pp (a colour scale per
+# panel). Shown inline in Jupyter; as a script, the paths are printed.
 
 # %%
 figures = all_figures(ev, frame, OUT)
 for name, paths in figures.items():
     print(name, "->", paths[0])
+    if INLINE:
+        show(Image(filename=str(paths[0])))

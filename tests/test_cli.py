@@ -51,8 +51,8 @@ def test_estimate_json_has_integer_byte_fields(capsys):
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["parallel.tpp=2"], "Could not override 'parallel.tpp'"),
-        (["model=llama9"], "Could not find 'model/llama9'"),
+        (["parallel.tpp=2"], "unknown key 'parallel.tpp' (did you mean parallel.tp?)"),
+        (["model=llama9"], "unknown model preset 'llama9'"),
         (["parallel.tp=3"], "num_heads 4 % tp 3 = 1 ≠ 0"),
         (["train.seq_len=-1"], "train.seq_len=-1 must be >= 1"),
         (["parallel.tp=two"], "parallel.tp='two' must be int"),

@@ -8,32 +8,8 @@ import sys
 from collections.abc import Callable, Sequence
 
 from harness import __version__
-from harness.cli.config import ConfigError, compose, engine_name, run_spec
+from harness.cli.config import ConfigError, compose, engine_name, gpu_scale_defaults, run_spec
 from harness.specs import InvalidSpec
-
-USAGE = f"""harness {__version__}: which 4D-parallel training configuration fits in memory, and which runs
-fastest.
-
-usage: harness <command> [key=value ...]      (or: python -m harness <command> ...)
-
-commands:
-  estimate   analytical per-rank memory and FLOPs of one configuration, term by term, with a verdict
-  plan       every valid layout for plan.gpus devices, the ones that fit ranked, with predicted memory
-  run        one short real training step of the configuration: peak memory per rank, step time,
-             TFLOP/s, MFU, loss; or how it failed (oom, timeout, crash, invalid). Exit 0 for any outcome
-  sweep      a Hydra multirun (e.g. +study=cpu_smoke): every point one run, one parquet row in
-             results_dir; impossible and finished points are not launched, so a rerun resumes
-  results    status | compact [results_dir=DIR]: counts by status, or merge the runs into one file
-  calibrate  fit coefficients on the estimator's terms to the runs in results_dir, cross-validated on
-             held-out layouts; writes a profile that estimate/plan take as calibration=PATH
-  report     results_dir=DIR: markdown report with figures (memory accuracy of every estimator, safe
-             utilisation threshold, out-of-memory map, TFLOP/s by layout), every number from the runs
-  replay     trace=PATH: an allocation trace through a model of PyTorch's CUDA caching allocator:
-             peak allocated and reserved bytes, fragmentation, retries, out-of-memory
-
-overrides are Hydra's: group=preset (model=llama3_8b device=h100_94gb engine=paper) and dotted keys
-(parallel.tp=2 train.seq_len=8192 format=json). See sweeps/config.yaml for every key.
-"""
 
 
 def _output_settings(cfg: dict) -> tuple[str, float]:
@@ -51,10 +27,10 @@ def _output_settings(cfg: dict) -> tuple[str, float]:
 
 
 def _estimate(overrides: Sequence[str]) -> int:
-    from harness.cli.render import estimate_table
+    from harness.cli.render import JSON_UNITS, estimate_table
     from harness.estimate import estimate
 
-    cfg = compose(overrides)
+    cfg = _compose_scaled(overrides)
     fmt, threshold = _output_settings(cfg)
     est = estimate(run_spec(cfg), engine=engine_name(cfg))
     profile = _profile(cfg)
@@ -69,10 +45,29 @@ def _estimate(overrides: Sequence[str]) -> int:
                 calibrated_utilisation=util,
                 fits=util <= threshold,
             )
+        record["units"] = JSON_UNITS
         print(json.dumps(record, indent=2))
     else:
-        print(estimate_table(est, threshold=threshold, calibrated_bytes=calibrated, profile=profile))
+        print(
+            estimate_table(
+                est,
+                threshold=threshold,
+                calibrated_bytes=calibrated,
+                profile=profile,
+                explain=bool(cfg.get("explain")),
+            )
+        )
     return 0
+
+
+def _compose_scaled(overrides: Sequence[str]) -> dict:
+    """The config of ``estimate``/``plan``: the published study's device and training shape for a
+    GPU-scale model unless named, said in one line on stderr once the config composes."""
+    overrides, note = gpu_scale_defaults(overrides)
+    cfg = compose(overrides)
+    if note:
+        print(note, file=sys.stderr)
+    return cfg
 
 
 def _profile(cfg: dict):
@@ -88,7 +83,7 @@ def _plan(overrides: Sequence[str]) -> int:
     from harness.cli.render import plan_json, plan_table
     from harness.estimate.plan import PlanOptions, plan
 
-    cfg = compose(overrides)
+    cfg = _compose_scaled(overrides)
     fmt, threshold = _output_settings(cfg)
     p = cfg["plan"]
     opts = PlanOptions(
@@ -104,12 +99,67 @@ def _plan(overrides: Sequence[str]) -> int:
         engine=engine_name(cfg),
         calibration=_profile(cfg),
     )
+    if p.get("emit"):  # a path Hydra could not find as a study fails before the work, not after
+        from harness.cli.config import config_dir
+        from harness.cli.emit import study_target
+
+        study_target(p["emit"], config_dir())
+    if p.get("solve") is not None:
+        return _plan_solve(cfg, opts, fmt)
     result = plan(run_spec(cfg), opts)
     if fmt == "json":
         print(json.dumps(plan_json(result, opts), indent=2))
     else:
-        print(plan_table(result, opts, top=int(p["top"])))
+        print(plan_table(result, opts, top=int(p["top"]), explain=bool(cfg.get("explain"))))
+    _emit(cfg, [r.estimate.spec for r in result.fitting[: int(p["top"])]], fmt, opts)
     return 0
+
+
+def _plan_solve(cfg: dict, opts, fmt: str) -> int:
+    """``plan.solve=min_gpus|max_micro_batch|max_seq_len``: a reverse question (harness.estimate.solve)."""
+    from harness.cli.render import solve_json, solve_table
+    from harness.estimate import solve as sv
+
+    p, question, base = cfg["plan"], cfg["plan"]["solve"], run_spec(cfg)
+    if question == "min_gpus":
+        solution = sv.min_gpus(base, opts, max_gpus=int(p["max_gpus"]))
+    elif question == "max_micro_batch":
+        solution = sv.max_micro_batch(base, opts)
+    elif question == "max_seq_len":
+        solution = sv.max_seq_len(base, opts)
+    else:
+        raise ValueError(f"plan.solve={question!r} must be null or one of {', '.join(sv.QUESTIONS)}")
+    top = int(p["top"])
+    if fmt == "json":
+        print(json.dumps(solve_json(solution, opts), indent=2))
+    else:
+        print(solve_table(solution, opts, top=top, explain=bool(cfg.get("explain"))))
+    if solution.plan is not None:
+        specs = [r.estimate.spec for r in solution.plan.fitting[:top]]
+    else:
+        specs = [] if solution.best is None else [solution.best.estimate.spec]
+    _emit(cfg, specs, fmt, opts)
+    return 0
+
+
+def _emit(cfg: dict, specs: list, fmt: str, opts) -> None:
+    """``plan.emit=DIR/study/NAME.yaml``: the layouts as a study for ``harness sweep``, and the command."""
+    path = cfg["plan"].get("emit")
+    if not path:
+        return
+    from harness.cli.config import config_dir
+    from harness.cli.emit import write_study
+
+    how = ""
+    if specs:
+        first = specs[0]
+        how = (
+            f"{first.model.name} on {first.parallel.world} × {first.device.name}, engine {opts.engine}, "
+            f"threshold {opts.threshold:g}"
+        )
+    target, command = write_study(path, specs, how=how, config_dir=config_dir())
+    out = sys.stderr if fmt == "json" else sys.stdout
+    print(f"study: {target} ({len(specs)} layouts); measure them: {command}", file=out)
 
 
 def _run(overrides: Sequence[str]) -> int:
@@ -120,6 +170,7 @@ def _run(overrides: Sequence[str]) -> int:
 
     cfg = compose(overrides)
     fmt, _ = _output_settings(cfg)
+    fail_on = fail_statuses(cfg["run"].get("fail_on"))
     timeout_s = float(cfg["run"]["timeout_s"])
     if not timeout_s > 0:
         raise ValueError(f"run.timeout_s={timeout_s} must be > 0")
@@ -132,7 +183,25 @@ def _run(overrides: Sequence[str]) -> int:
     if record is None:
         return 0
     print(record_json(record) if fmt == "json" else record_table(record))
-    return 0  # every recorded outcome, including oom/timeout/crash/invalid, is a success of the command
+    # Every recorded outcome, including oom/timeout/crash/invalid, is a success of the command, unless
+    # run.fail_on lists it (a CI script that needs a failing exit code).
+    return 1 if record["status"] in fail_on else 0
+
+
+def fail_statuses(value) -> frozenset[str]:
+    """``run.fail_on``: null, a status, ``oom,crash`` or a list; each a recorded status."""
+    from harness.record import STATUSES
+
+    if value is None:
+        return frozenset()
+    items = value if isinstance(value, list) else str(value).split(",")
+    statuses = frozenset(str(s).strip() for s in items if str(s).strip())
+    wrong = sorted(statuses - set(STATUSES))
+    if wrong:
+        raise ValueError(
+            f"run.fail_on={','.join(map(str, items))}: {', '.join(wrong)} not among {', '.join(STATUSES)}"
+        )
+    return statuses
 
 
 def _sweep(overrides: Sequence[str]) -> int:
@@ -230,6 +299,30 @@ def _load(root: str):
     return frame
 
 
+def _help(command: str, args: Sequence[str]) -> int:
+    """``harness COMMAND --help`` (or ``-h``): its help under the given overrides; ``--cfg job``: the
+    composed config as YAML (Hydra's spelling)."""
+    from harness.cli.config import groups
+    from harness.cli.help import command_help
+
+    overrides = [a for a in args if a not in ("-h", "--help", "--cfg", "job", "all")]
+    try:
+        if command in ("estimate", "plan"):
+            cfg = _compose_scaled(overrides)
+        else:
+            cfg = compose(overrides) if command != "results" else None
+    except ConfigError as exc:
+        print(f"harness {command}: error: {exc}", file=sys.stderr)
+        return 2
+    if "--cfg" in args and cfg is not None:
+        import yaml
+
+        print(yaml.safe_dump(cfg, sort_keys=False), end="")
+    else:
+        print(command_help(command, cfg, groups()))
+    return 0
+
+
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "estimate": _estimate,
     "plan": _plan,
@@ -243,23 +336,26 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from harness.cli.help import COMMAND_HELP, usage
+
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
-        print(USAGE)
+        print(usage(list(COMMAND_HELP), __version__))
         return 0 if args else 2
     if args[0] == "--version":
         print(__version__)
         return 0
     command, overrides = args[0], args[1:]
-    if command not in COMMANDS:
+    wants_help = command in COMMAND_HELP and bool({"-h", "--help", "--cfg"} & set(overrides))
+    if command not in COMMANDS and not wants_help:
         print(f"harness: unknown command {command!r} (commands: {', '.join(COMMANDS)})", file=sys.stderr)
         return 2
     bad = [o for o in overrides if "=" not in o and not (command == "results" and o == overrides[0])]
-    if bad:
+    if bad and not wants_help:
         print(f"harness {command}: error: override {bad[0]!r} is not key=value", file=sys.stderr)
         return 2
     try:
-        return COMMANDS[command](overrides)
+        return _help(command, overrides) if wants_help else COMMANDS[command](overrides)
     except BrokenPipeError:
         # `harness plan ... | head`: the reader left; say nothing more.
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keeps Python's exit flush quiet

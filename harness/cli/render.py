@@ -1,8 +1,10 @@
-"""Readable tables and JSON for the commands' output (GiB = 2^30 bytes, only here)."""
+"""Readable tables and JSON for the commands' output (GiB = 2^30 bytes, MiB = 2^20, only here)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 from typing import Any
 
 from harness.estimate.core import STATE_TERMS, TERMS, Estimate
@@ -10,11 +12,67 @@ from harness.estimate.plan import PlanOptions, PlanResult, PlanRow
 from harness.specs import RunSpec, config_id
 
 GIB = 2**30
+MIB = 2**20
 MAX_STAGE_COLUMNS = 6
+
+# What each row of the estimate table holds (explain=true prints it under the table).
+TERM_MEANINGS = {
+    "params": "the rank's weights as stored (its shard under ZeRO-3/FSDP, its tp/pp slice)",
+    "grads": "gradients alive at the forward/backward peak",
+    "optimizer": "AdamW state (two moments, and FP32 master weights where the engine keeps them)",
+    "activations": "what the layers save for backward, for every micro-batch in flight",
+    "token_ids": "the input token ids of the micro-batches in flight (stage 0)",
+    "output_activations": "the final norm's output (last stage)",
+    "logits": "the LM head's output (last stage)",
+    "param_copies": "compute-dtype (BF16) copies of the weights kept from forward to backward",
+    "fsdp_allgather": "ZeRO-3: unsharded layers gathered for the current and the prefetched layer",
+    "grad_reduce": "ZeRO-2/3: one layer's unsharded gradients before their reduce-scatter",
+    "ddp_bucket": "DDP's gradient buckets for the all-reduce",
+    "tp_allgather": "sequence parallel: the full-sequence buffer at a layer boundary",
+    "pp_p2p": "pipeline send/receive buffers of a stage-boundary activation",
+    "cp_kv_allgather": "context parallel: one layer's gathered K and V",
+    "loss": "the cross-entropy's FP32 logits and their gradient (last stage)",
+    "step_grads": "gradients made after the peak, alive during the optimizer step instead",
+    "optimizer_step": "the foreach AdamW step's temporaries",
+}
+# format=json's units, said in the JSON itself (the table prints utilisation as a percentage).
+JSON_UNITS = {
+    "*_bytes": "bytes",
+    "utilisation": "ratio of the predicted peak to capacity_bytes (0.8 = 80 %)",
+    "threshold": "ratio (0.8 = 80 %)",
+}
+PLAN_LEGEND = (
+    "mbs micro-batch size; m micro-batches per step; sched 1f1b, gpipe or int1f1b/v (interleaved 1F1B, "
+    "v virtual stages); memory the predicted peak of the most-loaded rank; util that peak / capacity; "
+    "bubble pipeline idle time / useful time; comm bytes each device sends per step; step s the "
+    "ranking proxy"
+)
+
+
+def human(n_bytes: float) -> str:
+    """Bytes for people: GiB (2^30) from 1 GiB up, MiB (2^20) below, KiB under 1 MiB."""
+    if abs(n_bytes) >= GIB:
+        return f"{n_bytes / GIB:.2f} GiB"
+    if abs(n_bytes) >= MIB:
+        return f"{n_bytes / MIB:.1f} MiB"
+    if n_bytes == 0:
+        return "0"
+    return f"{n_bytes / 1024:.1f} KiB"
 
 
 def gib(n_bytes: float) -> str:
     return f"{n_bytes / GIB:.2f}"
+
+
+def _legend(text: str, width: int = 110) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width)
+
+
+def human_bytes_in(text: str) -> str:
+    """A message with byte counts (``peak 35806396 B``) in human units (``peak 34.1 MiB``)."""
+    return re.sub(r"\b(\d{4,}) ?B\b", lambda m: human(int(m.group(1))), text)
 
 
 def layout_line(spec: RunSpec) -> str:
@@ -48,7 +106,12 @@ def _stage_columns(est: Estimate) -> list[int]:
 
 
 def estimate_table(
-    est: Estimate, *, threshold: float, calibrated_bytes: int | None = None, profile=None
+    est: Estimate,
+    *,
+    threshold: float,
+    calibrated_bytes: int | None = None,
+    profile=None,
+    explain: bool = False,
 ) -> str:
     spec = est.spec
     cols = _stage_columns(est)
@@ -58,16 +121,18 @@ def estimate_table(
         f"layout  {layout_line(spec)}",
         f"train   {train_line(spec)}",
         "",
-        f"{'GiB per rank':<22}" + "".join(f"{h:>11}" for h in head),
+        f"{'per rank':<22}" + "".join(f"{h:>12}" for h in head),
     ]
     for term in TERMS:
         values = [est.stages[i].terms[term] for i in cols]
         if not any(s.terms[term] for s in est.stages):
             continue  # zero on every stage: leave the row out
-        lines.append(f"{term:<22}" + "".join(f"{gib(v):>11}" for v in values))
+        lines.append(f"{term:<22}" + "".join(f"{human(v):>12}" for v in values))
         if term == STATE_TERMS[-1]:
-            lines.append(f"{'':<22}" + "".join(f"{'-' * 7:>11}" for _ in cols))
-    lines.append(f"{'peak (see below)':<22}" + "".join(f"{gib(est.stages[i].total_bytes):>11}" for i in cols))
+            lines.append(f"{'':<22}" + "".join(f"{'-' * 9:>12}" for _ in cols))
+    lines.append(
+        f"{'peak (see below)':<22}" + "".join(f"{human(est.stages[i].total_bytes):>12}" for i in cols)
+    )
     if len(cols) < len(est.stages):
         lines.append(f"({len(est.stages)} stages; format=json lists every one)")
     util = est.device_utilisation
@@ -76,20 +141,21 @@ def estimate_table(
     lines += [
         "",
         "peak = params + grads + optimizer + max(activations and buffers, optimizer step)",
-        f"most-loaded rank: stage {est.worst.stage}, {gib(est.total_bytes)} GiB of "
-        f"{gib(est.capacity_bytes)} GiB = {est.utilisation:.1%} allocated (the tensors)",
-        f"reserved by the caching allocator: {gib(est.reserved_total_bytes)} GiB (segment rounding "
-        f"{gib(reserved['segment_rounding'])}, cuBLAS workspace {gib(reserved['cublas_workspace'])}; "
+        f"most-loaded rank: stage {est.worst.stage}, {human(est.total_bytes)} of "
+        f"{human(est.capacity_bytes)} = {est.utilisation:.1%} allocated (the tensors)",
+        f"reserved by the caching allocator: {human(est.reserved_total_bytes)} (segment rounding "
+        f"{human(reserved['segment_rounding'])}, cuBLAS workspace {human(reserved['cublas_workspace'])}; "
         "fragmentation: calibration=PROFILE)",
-        f"device level (what runs out): {gib(est.device_total_bytes)} GiB = {util:.1%}"
+        f"device level (what runs out): {human(est.device_total_bytes)} = {util:.1%} utilisation"
         + ("" if calibrated_bytes is not None else f" → {verdict} (threshold {threshold:.0%})")
-        + f" (CUDA context {gib(est.outside_terms['cuda_context'])}, NCCL {gib(est.outside_terms['nccl'])})",
+        + f" (CUDA context {human(est.outside_terms['cuda_context'])}, NCCL "
+        f"{human(est.outside_terms['nccl'])})",
     ]
     if calibrated_bytes is not None:
         cal_util = calibrated_bytes / est.capacity_bytes
         cal_verdict = "fits" if cal_util <= threshold else "does NOT fit"
         lines += [
-            f"calibrated ({profile.path}): {gib(calibrated_bytes)} GiB = {cal_util:.1%} → {cal_verdict} "
+            f"calibrated ({profile.path}): {human(calibrated_bytes)} = {cal_util:.1%} → {cal_verdict} "
             f"(threshold {threshold:.0%})",
             f"  profile: {profile.summary}",
         ]
@@ -97,6 +163,16 @@ def estimate_table(
         f"model FLOPs per step: {est.flops_per_step:.3e} ({est.flops_convention} convention)",
     ]
     lines += [f"note: {n}" for n in est.notes]
+    if explain:
+        shown = [t for t in TERMS if any(st.terms[t] for st in est.stages)]
+        lines += ["", "rows:"] + [f"  {t:<20} {TERM_MEANINGS[t]}" for t in shown]
+        lines += [
+            "  utilisation          predicted peak / device capacity; a percentage here, a ratio in "
+            "format=json (0.483 = 48.3 %)",
+            "  GiB = 2^30 bytes, MiB = 2^20 bytes",
+        ]
+    else:
+        lines.append("(explain=true: what each row means)")
     return "\n".join(lines)
 
 
@@ -137,10 +213,11 @@ def plan_json(result: PlanResult, opts: PlanOptions) -> dict[str, Any]:
         "valid": len(result.rows),
         "fitting": len(result.fitting),
         "layouts": [_row_fields(r) for r in result.fitting],
+        "units": JSON_UNITS,
     }
 
 
-def plan_table(result: PlanResult, opts: PlanOptions, *, top: int) -> str:
+def plan_table(result: PlanResult, opts: PlanOptions, *, top: int, explain: bool = False) -> str:
     first = result.rows[0].estimate.spec if result.rows else None
     lines = []
     if first is not None:
@@ -159,8 +236,8 @@ def plan_table(result: PlanResult, opts: PlanOptions, *, top: int) -> str:
         if result.rows:
             best = min(result.rows, key=lambda r: r.predicted_bytes)
             lines.append(
-                f"nothing fits; the smallest needs {gib(best.predicted_bytes)} GiB "
-                f"({best.utilisation:.0%}): {layout_line(best.estimate.spec)}"
+                f"nothing fits; the smallest needs {human(best.predicted_bytes)} "
+                f"({best.utilisation:.0%} utilisation): {layout_line(best.estimate.spec)}"
             )
         return "\n".join(lines)
     has_time = not math.isnan(result.fitting[0].cost.step_time_s)
@@ -176,7 +253,7 @@ def plan_table(result: PlanResult, opts: PlanOptions, *, top: int) -> str:
     header = (
         f"{'#':>3} {'dp':>5} {'tp':>3} {'pp':>3} {'cp':>4} {'zero':>4} {'sched':>10} {'mbs':>4} {'m':>5} "
     )
-    header += f"{'recomp':>9} {'GiB':>8} {'util':>6} {'bubble':>7} {'comm GiB':>9}"
+    header += f"{'recomp':>9} {'memory':>10} {'util':>6} {'bubble':>7} {'comm':>10}"
     header += f" {'step s':>8}" if has_time else ""
     lines.append(header)
     for i, row in enumerate(result.fitting[:top], 1):
@@ -188,13 +265,114 @@ def plan_table(result: PlanResult, opts: PlanOptions, *, top: int) -> str:
         line = (
             f"{i:>3} {p.dp:>5} {p.tp:>3} {p.pp:>3} {p.cp:>4} {p.zero_stage:>4} {sched:>10} "
             f"{t.micro_batch_size:>4} {t.num_microbatches:>5} {t.recompute:>9} "
-            f"{gib(row.predicted_bytes):>8} {row.utilisation:>6.1%} {c.bubble:>7.1%} "
-            f"{c.comm_bytes / GIB:>9.2f}"
+            f"{human(row.predicted_bytes):>10} {row.utilisation:>6.1%} {c.bubble:>7.1%} "
+            f"{human(c.comm_bytes):>10}"
         )
         if has_time:
             line += f" {c.step_time_s:>8.3f}"
         lines.append(line)
+    short = PLAN_LEGEND.split("; memory")[0] + "; explain=true: every column"
+    lines += ["", *_legend(PLAN_LEGEND if explain else short)]
     return "\n".join(lines)
+
+
+SOLVE_WHAT = {
+    "min_gpus": "fewest devices on which a layout fits",
+    "max_micro_batch": "largest micro-batch that fits",
+    "max_seq_len": "longest sequence that fits",
+}
+
+
+def _verdict(row: PlanRow) -> str:
+    return f"{human(row.predicted_bytes)} = {row.utilisation:.2%} utilisation"
+
+
+def solve_table(solution, opts: PlanOptions, *, top: int, explain: bool = False) -> str:
+    """``plan plan.solve=...``: the answer, the estimate at it and at the first value past it."""
+    q = solution.question
+    shown = solution.best or solution.over
+    lines = []
+    if shown is not None:
+        spec = shown.estimate.spec
+        lines.append(
+            f"{spec.model.name} on {spec.device.name}, engine {opts.engine}, threshold {opts.threshold:.0%}"
+            + (f" (calibrated: {opts.calibration.path})" if opts.calibration is not None else "")
+        )
+        if q != "min_gpus":
+            lines += [f"layout  {layout_line(spec)}", f"train   {train_line(spec)}"]
+    tried = ", ".join(map(str, solution.tried))
+    if solution.answer is None:
+        why = {
+            "min_gpus": f"no layout fits on any of {tried} devices (plan.max_gpus to try more)",
+            "max_micro_batch": f"not even micro-batch 1 fits: {_verdict(solution.over)}",
+            "max_seq_len": f"not even {solution.tried[0]} tokens fit: {_verdict(solution.over)}"
+            if solution.over
+            else "",
+        }[q]
+        lines.append(f"{SOLVE_WHAT[q]}: none; {why}")
+        return "\n".join(lines)
+    if q == "min_gpus":
+        spec = solution.best.estimate.spec
+        per_node = spec.device.gpus_per_node
+        nodes = -(-solution.answer // per_node)
+        lines += [
+            f"{SOLVE_WHAT[q]}: {solution.answer} ({nodes} node{'s' * (nodes > 1)} of {per_node}); "
+            f"tried {tried}",
+            "",
+            plan_table(
+                solution.plan, dataclasses.replace(opts, gpus=solution.answer), top=top, explain=explain
+            ),
+        ]
+        return "\n".join(lines)
+
+    def said(v: int) -> str:
+        return f"micro-batch {v}" if q == "max_micro_batch" else f"{v} tokens"
+
+    answer = str(solution.answer) if q == "max_micro_batch" else said(solution.answer)
+    lines.append(f"{SOLVE_WHAT[q]}: {answer} → {_verdict(solution.best)}")
+    if solution.over is not None:
+        past = solution.over.estimate.spec.train
+        value = past.micro_batch_size if q == "max_micro_batch" else past.seq_len
+        lines.append(f"  {said(value)} would need {_verdict(solution.over)}")
+    else:
+        lines.append("  (the search limit: more may fit)")
+    if q == "max_seq_len":
+        lines.append(f"  (sequence lengths tried in steps of {solution.tried[0]} tokens: {tried})")
+    else:
+        lines.append(f"  (tried {tried})")
+    return "\n".join(lines)
+
+
+def solve_json(solution, opts: PlanOptions) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "solve": solution.question,
+        "answer": solution.answer,
+        "engine": opts.engine,
+        "threshold": opts.threshold,
+        "tried": list(solution.tried),
+        "best": None if solution.best is None else _solve_row(solution.best),
+        "over": None if solution.over is None else _solve_row(solution.over),
+    }
+    if solution.plan is not None:
+        out["plan"] = plan_json(solution.plan, dataclasses.replace(opts, gpus=solution.answer))
+    out["units"] = JSON_UNITS
+    return out
+
+
+def _solve_row(row: PlanRow) -> dict[str, Any]:
+    fields = _row_fields(row) if row.cost is not None else {}
+    spec = row.estimate.spec
+    fields.update(
+        config_id=config_id(spec),
+        world_size=spec.parallel.world,
+        train_micro_batch_size=spec.train.micro_batch_size,
+        train_seq_len=spec.train.seq_len,
+        total_bytes=row.estimate.total_bytes,
+        calibrated_bytes=row.calibrated_bytes,
+        utilisation=row.utilisation,
+        fits=row.fits,
+    )
+    return fields
 
 
 def _clean(value: Any) -> Any:
@@ -223,25 +401,25 @@ def record_table(record: dict[str, Any]) -> str:
     ]
     if r.get("error"):
         where = f" (rank {r['error_rank']})" if r.get("error_rank") is not None else ""
-        lines.append(f"error{where}: {r['error']}")
+        lines.append(f"error{where}: {human_bytes_in(str(r['error']))}")
     if r.get("peak_allocated_bytes") is not None:
-        peaks = ", ".join("—" if p is None else gib(p) for p in r["per_rank_peak_bytes"])
+        peaks = ", ".join("—" if p is None else human(p) for p in r["per_rank_peak_bytes"])
         lines += [
             "",
-            f"peak memory (GiB, {r['memory_method']}): max {gib(r['peak_allocated_bytes'])} on rank "
+            f"peak memory ({r['memory_method']}): max {human(r['peak_allocated_bytes'])} on rank "
             f"{r['worst_rank']}; per rank: {peaks}",
         ]
         cats = {k[4:-6]: v for k, v in r.items() if k.startswith("mem_") and k.endswith("_bytes") and v}
         if cats:
-            lines.append("  worst rank by category: " + ", ".join(f"{k} {gib(v)}" for k, v in cats.items()))
+            lines.append("  worst rank by category: " + ", ".join(f"{k} {human(v)}" for k, v in cats.items()))
         if r.get("peak_reserved_bytes") is not None:
             lines.append(
-                f"  reserved {gib(r['peak_reserved_bytes'])}, device used {gib(r['device_used_bytes'])}"
+                f"  reserved {human(r['peak_reserved_bytes'])}, device used {human(r['device_used_bytes'])}"
             )
         if r.get("est_total_bytes") is not None:
             ratio = r["peak_allocated_bytes"] / r["est_total_bytes"]
             lines.append(
-                f"  estimate (engine torch): {gib(r['est_total_bytes'])} → measured/estimate {ratio:.2f}"
+                f"  estimate (engine torch): {human(r['est_total_bytes'])} → measured/estimate {ratio:.2f}"
             )
         mfu = r.get("mfu")
         lines += [
@@ -279,18 +457,11 @@ def calibration_table(ev, *, profile_path: str) -> str:
         )
     lines += [
         "",
-        "APE: |predicted - measured| / measured; safe thr.: largest estimated utilisation below which no run",
-        "ran out of memory (none: no run did); excl.: runs that fit but sit above it.",
+        "APE: |predicted - measured| / measured; worst under: the largest under-prediction; safe thr.: the",
+        "largest estimated utilisation below which no run ran out of memory (none: no run did); excl.: runs",
+        "that ran (ok) but sit above it, so the threshold would have excluded them; OOM<80%: runs out of",
+        "memory that the paper's 80 % rule calls safe; excl.>80%: ok runs that the 80 % rule excludes.",
         f"profile ({profile_path}): {ev.model.describe()}",
     ]
     return "\n".join(lines)
 
-
-def human_bytes(n_bytes: float) -> str:
-    """Bytes in the largest binary unit that keeps the number at least 1 (KiB = 2^10 … GiB = 2^30)."""
-    value = float(n_bytes)
-    for unit in ("B", "KiB", "MiB"):
-        if abs(value) < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    return f"{value:.2f} GiB"

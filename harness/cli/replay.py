@@ -20,7 +20,7 @@ def _int_or_none(value, key: str) -> int | None:
 
 def replay_command(overrides: Sequence[str]) -> int:
     from harness.alloc import load_trace, replay
-    from harness.cli.render import human_bytes
+    from harness.cli.render import human as human_bytes
 
     cfg = compose(overrides)
     fmt = cfg["format"]
