@@ -50,6 +50,11 @@ MEANINGS: dict[str, str] = {
     "device.gpus_per_node": "devices per node: tensor parallel stays inside one",
     "device.intra_node_gbps": "link speed inside a node, GB/s (ranks layouts in plan; null: unknown)",
     "device.inter_node_gbps": "link speed between nodes, GB/s (null: unknown)",
+    "device.cuda_context_mib": "CUDA context per process, MiB, outside the allocator (device level; 0 on CPU)",
+    "device.nccl_mib_per_communicator": "NCCL buffers per communicator, MiB, outside the allocator (device level)",
+    "device.cublas_workspace_mib": "cuBLAS workspaces, MiB, inside the caching allocator (reserved level)",
+    "device.memory_gbps": "memory bandwidth, GB/s, for the step-time model (null: unknown)",
+    "device.link_latency_us": "latency of one collective step, microseconds, for the step-time model",
     "engine.name": "estimator: paper (published closed form) | megatron | torch (this runner)",
     # output
     "format": "table (for people) | json (for programs)",
