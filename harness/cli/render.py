@@ -38,7 +38,7 @@ TERM_MEANINGS = {
 # format=json's units, said in the JSON itself (the table prints utilisation as a percentage).
 JSON_UNITS = {
     "*_bytes": "bytes",
-    "utilisation": "ratio of the predicted peak to capacity_bytes (0.8 = 80 %)",
+    "utilisation": "ratio of the predicted peak to capacity_bytes (0.8 = 80 %); in plan, of the device level",
     "threshold": "ratio (0.8 = 80 %)",
 }
 PLAN_LEGEND = (
@@ -194,6 +194,7 @@ def _row_fields(row: PlanRow) -> dict[str, Any]:
         "train_recompute": t.recompute,
         "total_bytes": row.estimate.total_bytes,
         "calibrated_bytes": row.calibrated_bytes,
+        "device_total_bytes": row.predicted_bytes,
         "worst_stage": row.estimate.worst.stage,
         "utilisation": row.utilisation,
         "fits": row.fits,
@@ -369,6 +370,7 @@ def _solve_row(row: PlanRow) -> dict[str, Any]:
         train_seq_len=spec.train.seq_len,
         total_bytes=row.estimate.total_bytes,
         calibrated_bytes=row.calibrated_bytes,
+        device_total_bytes=row.predicted_bytes,
         utilisation=row.utilisation,
         fits=row.fits,
     )

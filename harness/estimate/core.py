@@ -14,7 +14,7 @@ activations: its intermediates, and (torch) the gradients that backward made aft
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any, NamedTuple
 
 from harness.estimate import activations as act
@@ -88,21 +88,34 @@ class Estimate:
 
     def reserved_terms(self, stage: StageEstimate | None = None) -> dict[str, int]:
         """The reserved level's terms (levels.RESERVED_TERMS) of ``stage`` (default: the reserved worst)."""
-        return levels.reserved_terms(self.spec, (stage or self.reserved_worst).terms)
+        if stage is None:
+            return dict(self._reserved[1])
+        return levels.reserved_terms(self.spec, stage.terms)
+
+    @cached_property
+    def _reserved(self) -> tuple[StageEstimate, dict[str, int], int]:
+        """(the stage whose reserved level is highest, its reserved terms, that level); computed once:
+        ``plan`` asks every candidate for its device level."""
+        best = None
+        for s in self.stages:
+            terms = levels.reserved_terms(self.spec, s.terms)
+            total = s.total_bytes + sum(terms.values())
+            if best is None or total > best[2]:
+                best = (s, terms, total)
+        return best
 
     @property
     def reserved_worst(self) -> StageEstimate:
         """The stage whose reserved level is highest (the allocated worst on the CPU, where it adds 0)."""
-        return max(self.stages, key=lambda s: s.total_bytes + sum(self.reserved_terms(s).values()))
+        return self._reserved[0]
 
     @property
     def reserved_total_bytes(self) -> int:
         """The reserved level: allocated plus what the caching allocator's segments add (uncalibrated:
         segment rounding and cuBLAS workspaces; calibration adds the fitted fragmentation)."""
-        worst = self.reserved_worst
-        return worst.total_bytes + sum(self.reserved_terms(worst).values())
+        return self._reserved[2]
 
-    @property
+    @cached_property
     def outside_terms(self) -> dict[str, int]:
         return levels.outside_terms(self.spec)
 

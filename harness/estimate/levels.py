@@ -67,3 +67,17 @@ def outside_terms(spec: RunSpec) -> dict[str, int]:
         "cuda_context": round(d.cuda_context_mib * MIB),
         "nccl": round(d.nccl_mib_per_communicator * MIB) * communicators(spec),
     }
+
+
+def verdict_bytes(est, calibration=None) -> int:
+    """The device level a verdict is judged on, for an :class:`~harness.estimate.core.Estimate`:
+    uncalibrated, the estimate's own; with a calibration profile, its allocated peak, its fitted
+    fragmentation where it has one (else the estimate's reserved terms), and the memory outside the
+    allocator."""
+    if calibration is None:
+        return est.device_total_bytes
+    allocated = calibration.total_bytes(est)
+    reserved = getattr(calibration, "reserved_bytes", lambda _: None)(est)
+    if reserved is None:
+        reserved = allocated + est.reserved_total_bytes - est.total_bytes
+    return reserved + est.outside_allocator_bytes

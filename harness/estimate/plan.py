@@ -15,6 +15,7 @@ from typing import Any
 
 from harness.estimate.comm import Cost, cost
 from harness.estimate.core import ENGINES, Estimate, dominant_stages, estimate_canonical
+from harness.estimate.levels import verdict_bytes
 from harness.specs import (
     PP_SCHEDULES,
     RECOMPUTE,
@@ -74,11 +75,14 @@ class PlanRow:
     estimate: Estimate
     cost: Cost | None  # computed for fitting layouts only: the others are not ranked by speed
     fits: bool
-    calibrated_bytes: int | None = None  # the calibration profile's peak, when plan uses one
+    calibrated_bytes: int | None = None  # the calibration profile's allocated peak, when plan uses one
+    device_bytes: int | None = None  # the device level the verdict is based on (levels.verdict_bytes)
 
     @property
     def predicted_bytes(self) -> int:
-        """The peak the verdict is based on: calibrated when a profile is used, else the estimate."""
+        """What the verdict is based on: the device level (calibrated when a profile is used)."""
+        if self.device_bytes is not None:
+            return self.device_bytes
         return self.estimate.total_bytes if self.calibrated_bytes is None else self.calibrated_bytes
 
     @property
@@ -184,8 +188,8 @@ def plan(base: RunSpec, opts: PlanOptions) -> PlanResult:
         for spec in group:
             est = estimate_canonical(spec, engine=opts.engine, stages=stages)
             calibrated = None if opts.calibration is None else opts.calibration.total_bytes(est)
-            predicted = est.total_bytes if calibrated is None else calibrated
-            fits = predicted / est.capacity_bytes <= opts.threshold
-            rows.append(PlanRow(est, cost(spec) if fits else None, fits, calibrated))
+            device = verdict_bytes(est, opts.calibration)
+            fits = device / est.capacity_bytes <= opts.threshold
+            rows.append(PlanRow(est, cost(spec) if fits else None, fits, calibrated, device))
     rows.sort(key=PlanRow.sort_key)
     return PlanResult(tuple(rows), considered, invalid)

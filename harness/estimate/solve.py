@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from harness.estimate.core import estimate
+from harness.estimate.levels import verdict_bytes
 from harness.estimate.plan import PlanOptions, PlanResult, PlanRow, plan
 from harness.specs import RunSpec, canonical
 
@@ -59,8 +60,8 @@ def min_gpus(base: RunSpec, opts: PlanOptions, *, max_gpus: int) -> Solution:
 def _row(spec: RunSpec, opts: PlanOptions) -> PlanRow:
     est = estimate(spec, engine=opts.engine)
     calibrated = None if opts.calibration is None else opts.calibration.total_bytes(est)
-    predicted = est.total_bytes if calibrated is None else calibrated
-    return PlanRow(est, None, predicted / est.capacity_bytes <= opts.threshold, calibrated)
+    device = verdict_bytes(est, opts.calibration)
+    return PlanRow(est, None, device / est.capacity_bytes <= opts.threshold, calibrated, device)
 
 
 def _largest(
