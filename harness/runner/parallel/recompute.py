@@ -1,5 +1,12 @@
 """Activation recomputation: none, selective (the attention core), op (torchtitan's op-level policy),
-full (every transformer block, or every N-th)."""
+full (every transformer block, or every N-th).
+
+Megatron's flags: ``full`` is ``--recompute-granularity full --recompute-method uniform
+--recompute-num-layers 1``; ``full`` with ``every`` N stores what ``--recompute-method block
+--recompute-num-layers L_stage/N`` stores (as many whole blocks checkpointed per stage, Megatron's the
+first ones, torchtitan's every N-th). Megatron's ``uniform`` with N > 1 (N blocks per checkpoint) has no
+counterpart here.
+"""
 
 from __future__ import annotations
 
