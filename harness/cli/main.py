@@ -38,12 +38,16 @@ def _estimate(overrides: Sequence[str]) -> int:
     if fmt == "json":
         record = est.as_record(threshold=threshold)
         if profile:
-            util = calibrated / est.capacity_bytes
+            from harness.estimate.levels import verdict_bytes
+
+            device = verdict_bytes(est, profile)
             record.update(
                 calibration=profile.path,
                 calibrated_total_bytes=calibrated,
-                calibrated_utilisation=util,
-                fits=util <= threshold,
+                calibrated_utilisation=calibrated / est.capacity_bytes,
+                calibrated_reserved_total_bytes=profile.reserved_bytes(est),
+                calibrated_device_total_bytes=device,
+                fits=device / est.capacity_bytes <= threshold,
             )
         record["units"] = JSON_UNITS
         print(json.dumps(record, indent=2))

@@ -152,11 +152,16 @@ def estimate_table(
         f"{human(est.outside_terms['nccl'])})",
     ]
     if calibrated_bytes is not None:
-        cal_util = calibrated_bytes / est.capacity_bytes
+        from harness.estimate.levels import verdict_bytes
+
+        device = verdict_bytes(est, profile)
+        cal_util = device / est.capacity_bytes
         cal_verdict = "fits" if cal_util <= threshold else "does NOT fit"
+        reserved = profile.reserved_bytes(est)
         lines += [
-            f"calibrated ({profile.path}): {human(calibrated_bytes)} = {cal_util:.1%} → {cal_verdict} "
-            f"(threshold {threshold:.0%})",
+            f"calibrated ({profile.path}): allocated {human(calibrated_bytes)}"
+            + (f", reserved {human(reserved)} (fitted fragmentation)" if reserved is not None else "")
+            + f", device level {human(device)} = {cal_util:.1%} → {cal_verdict} (threshold {threshold:.0%})",
             f"  profile: {profile.summary}",
         ]
     lines += [
