@@ -118,6 +118,8 @@ def _row_fields(row: PlanRow) -> dict[str, Any]:
         "bubble": c.bubble,
         "comm_bytes": round(c.comm_bytes),
         "step_time_proxy_s": None if math.isnan(c.step_time_s) else c.step_time_s,
+        "predicted_step_time_s": row.predicted_step_time_s,
+        "predicted_tflops_per_device": row.predicted_tflops_per_device,
     }
 
 
@@ -157,21 +159,37 @@ def plan_table(result: PlanResult, opts: PlanOptions, *, top: int) -> str:
                 f"({best.utilisation:.0%}): {layout_line(best.estimate.spec)}"
             )
         return "\n".join(lines)
-    has_time = not math.isnan(result.fitting[0].cost.step_time_s)
+    fitted = result.fitting[0].predicted_step_time_s is not None
+    has_time = fitted or not math.isnan(result.fitting[0].cost.step_time_s)
     rank_by = (
-        "step-time proxy (compute at peak + bubble + unoverlapped comm)"
+        "the fitted step time (calibration's step_time section)"
+        if fitted
+        else "step-time proxy (compute at peak + bubble + unoverlapped comm)"
         if has_time
         else (
             "compute overhead (recomputation × bubble), then communication volume (no peak/link figures for "
             "this device)"
         )
     )
-    lines += [f"ranked by {rank_by}; top {min(top, len(result.fitting))}:", ""]
+    lines += [f"ranked by {rank_by}; top {min(top, len(result.fitting))}:"]
+    timer = opts.step_time
+    if fitted and timer.precisions and first.train.precision not in timer.precisions:
+        lines.append(
+            f"note: the step-time profile was fitted on {', '.join(timer.precisions)} runs, this plan is "
+            f"{first.train.precision}: its compute efficiency is carried over unchecked"
+        )
+    elif opts.step_time is not None and not fitted:
+        lines.append(
+            f"note: the step-time profile was fitted on device {timer.device}, not {first.device.name}: "
+            "ranked by the proxy instead"
+        )
+    lines.append("")
     header = (
         f"{'#':>3} {'dp':>5} {'tp':>3} {'pp':>3} {'cp':>4} {'zero':>4} {'sched':>10} {'mbs':>4} {'m':>5} "
     )
     header += f"{'recomp':>9} {'GiB':>8} {'util':>6} {'bubble':>7} {'comm GiB':>9}"
     header += f" {'step s':>8}" if has_time else ""
+    header += f" {'TFLOP/s':>8}" if fitted else ""
     lines.append(header)
     for i, row in enumerate(result.fitting[:top], 1):
         spec, c = row.estimate.spec, row.cost
@@ -185,7 +203,10 @@ def plan_table(result: PlanResult, opts: PlanOptions, *, top: int) -> str:
             f"{gib(row.predicted_bytes):>8} {row.utilisation:>6.1%} {c.bubble:>7.1%} "
             f"{c.comm_bytes / GIB:>9.2f}"
         )
-        if has_time:
+        if fitted:
+            tflops = row.predicted_tflops_per_device
+            line += f" {row.predicted_step_time_s:>8.3f} {'-' if tflops is None else f'{tflops:.3g}':>8}"
+        elif has_time:
             line += f" {c.step_time_s:>8.3f}"
         lines.append(line)
     return "\n".join(lines)
@@ -276,5 +297,26 @@ def calibration_table(ev, *, profile_path: str) -> str:
         "APE: |predicted - measured| / measured; safe thr.: largest estimated utilisation below which no run",
         "ran out of memory (none: no run did); excl.: runs that fit but sit above it.",
         f"profile ({profile_path}): {ev.model.describe()}",
+    ]
+    return "\n".join(lines)
+
+
+def step_time_table(st) -> str:
+    """``harness calibrate``'s step-time part: held-out accuracy, ranking per group, the fitted terms."""
+    m = st.metrics
+    lines = [
+        f"step time: {m['fit_runs']} timed runs fitted, {m['judged_runs']} that fit judged, held out by "
+        f"{st.group_by} ({len(st.fold_coefs)} folds): median APE {m['median_ape']:.1%}, "
+        f"Spearman median {m['spearman_median']:.2f}, top-1 ratio median {m['top1_ratio_median']:.1%}",
+        f"{'model':<10} {'world':>5} {'runs':>5} {'Spearman':>9} {'top-1':>7}",
+    ]
+    for g in m["groups"]:
+        lines.append(
+            f"{g['model']:<10} {g['world']:>5} {g['runs']:>5} {g['spearman']:>9.2f} {g['top1_ratio']:>7.1%}"
+        )
+    lines += [
+        "Spearman: rank correlation of predicted and measured tokens/s within the group; top-1: measured",
+        "tokens/s of the layout predicted fastest over the best measured.",
+        f"step-time profile ({st.model.device}): " + "; ".join(st.model.describe()),
     ]
     return "\n".join(lines)

@@ -54,23 +54,17 @@ TERMS = (
     "dp_latency",
 )
 # The rate each term divides by, as the profile prints it; a preset without the figure uses the unit.
+_FLOPS, _MEMORY = "peak TFLOP/s; CPU: 1 TFLOP/s a core", "memory GB/s; CPU: 1 GB/s a core"
+_LINK, _LATENCY = "link GB/s; CPU: 1 GB/s", "µs per ring step; CPU: 1 µs"
 UNITS = {
-    "compute": "peak TFLOP/s",
-    "recompute": "peak TFLOP/s",
-    "bubble": "peak TFLOP/s",
-    "memory": "memory GB/s",
+    "compute": _FLOPS,
+    "recompute": _FLOPS,
+    "bubble": _FLOPS,
+    "memory": _MEMORY,
     "overhead": "1 ms per layer pass",
-    "optimizer": "memory GB/s",
-    "tp": "link GB/s",
-    "tp_sp": "link GB/s",
-    "cp": "link GB/s",
-    "pp": "link GB/s",
-    "dp_replicated": "link GB/s",
-    "dp_sharded": "link GB/s",
-    "tp_latency": "link latency µs",
-    "cp_latency": "link latency µs",
-    "pp_latency": "link latency µs",
-    "dp_latency": "link latency µs",
+    "optimizer": _MEMORY,
+    **{k: _LINK for k in ("tp", "tp_sp", "cp", "pp", "dp_replicated", "dp_sharded")},
+    **{k: _LATENCY for k in ("tp_latency", "cp_latency", "pp_latency", "dp_latency")},
 }
 OPTIMIZER_BYTES_PER_PARAM = 28  # AdamW in fp32: read param, grad, m, v; write param, m, v
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
@@ -206,31 +200,40 @@ def terms_of(spec: RunSpec, *, cpu_cores: int | None = None) -> dict[str, float]
 @dataclass(frozen=True)
 class StepTimeModel:
     """A fitted step-time model: ``step_time_s = sum_k coef_k * term_k + constant_s`` on ``device``
-    (the preset whose figures the terms were computed with; a profile fitted on one device says nothing
-    of another's efficiency)."""
+    (the preset whose figures the terms were computed with: a profile fitted on one device says nothing
+    of another's efficiency, so ``plan`` uses it on that device only)."""
 
     coefficients: dict[str, float]
     constant_s: float
     device: str
+    cpu_cores: int | None = None  # the fitting machine's cores, for a CPU profile (see sharing())
+    unfitted: tuple[str, ...] = ()  # terms no fitted run exercised (coefficient 0: unknown, not free)
+    precisions: tuple[str, ...] = ()  # train.precision of the fitted runs
 
     def applies_to(self, spec: RunSpec) -> bool:
         return spec.device.name == self.device
 
     def terms(self, spec: RunSpec) -> dict[str, float]:
         """Each term's fitted seconds (coefficient × term)."""
-        raw = terms_of(spec)
+        raw = terms_of(spec, cpu_cores=self.cpu_cores)
         return {k: self.coefficients.get(k, 0.0) * raw[k] for k in TERMS}
 
     def step_time_s(self, spec: RunSpec) -> float:
         return sum(self.terms(spec).values()) + self.constant_s
 
-    def tflops_per_device(self, spec: RunSpec) -> float:
-        """Predicted model TFLOP/s per device (Megatron's count, as the records' ``tflops_per_device``)."""
-        return model_flops_per_step(spec) / (self.step_time_s(spec) * spec.parallel.world) / 1e12
+    def tflops_per_device(self, spec: RunSpec, step_time_s: float | None = None) -> float:
+        """Predicted model TFLOP/s per device (Megatron's count, as the records' ``tflops_per_device``),
+        from ``step_time_s`` when the caller has it."""
+        step = self.step_time_s(spec) if step_time_s is None else step_time_s
+        return model_flops_per_step(spec) / (step * spec.parallel.world) / 1e12
 
     def describe(self) -> list[str]:
         """One line per term, as the profile stores it: ``compute x 2.310 (peak TFLOP/s)``."""
-        lines = [f"{k} x {self.coefficients.get(k, 0.0):.4g} ({UNITS[k]})" for k in TERMS]
+        lines = [
+            f"{k} x {self.coefficients.get(k, 0.0):.4g} ({UNITS[k]})"
+            + (" unfitted: no run had it" if k in self.unfitted else "")
+            for k in TERMS
+        ]
         return [*lines, f"constant {self.constant_s:.4g} s"]
 
 
