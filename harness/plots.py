@@ -271,9 +271,13 @@ def fastest_layout(st, out_dir: Path) -> list[Path]:
     if handles:
         fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8, bbox_to_anchor=(0.5, -0.02))
     m = st.metrics
+    medians = (
+        f" (median Spearman {m['spearman_median']:.2f}, top-1 {m['top1_ratio_median']:.0%})"
+        if m["spearman_median"] is not None
+        else ""
+    )
     fig.suptitle(
-        f"Which layout is fastest: step time predicted held out by {st.group_by} vs measured "
-        f"(median Spearman {m['spearman_median']:.2f}, top-1 {m['top1_ratio_median']:.0%})",
+        f"Which layout is fastest: step time predicted held out by {st.group_by} vs measured{medians}",
         fontsize=9,
     )
     fig.tight_layout()

@@ -224,6 +224,7 @@ def fastest_section(st: StepTimeEvaluation | None, out: Path) -> list[str]:
         if len(spread)
         else "The runs time one step each (no `step_time_spread`): differences of a few percent are noise."
     )
+    rho = "none" if m["spearman_median"] is None else f"{m['spearman_median']:.2f}"
     lines = [
         title,
         "",
@@ -233,7 +234,7 @@ def fastest_section(st: StepTimeEvaluation | None, out: Path) -> list[str]:
         f"that fit: held-out median APE of the step time {_pct(m['median_ape'])} (p95 "
         f"{_pct(m['p95_ape'])}); within each model and world size, the Spearman correlation of predicted "
         "and measured tokens/s, and the measured tokens/s of the layout predicted fastest over the best "
-        f"measured (top-1). Medians over the groups: Spearman {m['spearman_median']:.2f}, top-1 "
+        f"measured (top-1). Medians over the groups: Spearman {rho}, top-1 "
         f"{_pct(m['top1_ratio_median'])}.",
         "",
         *_table(["model", "ranks", "runs that fit", "Spearman", "top-1"], rows),

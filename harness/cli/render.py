@@ -304,10 +304,15 @@ def calibration_table(ev, *, profile_path: str) -> str:
 def step_time_table(st) -> str:
     """``harness calibrate``'s step-time part: held-out accuracy, ranking per group, the fitted terms."""
     m = st.metrics
+
+    def fmt(x: float | None, spec: str) -> str:
+        return "n/a" if x is None else format(x, spec)
+
     lines = [
         f"step time: {m['fit_runs']} timed runs fitted, {m['judged_runs']} that fit judged, held out by "
-        f"{st.group_by} ({len(st.fold_coefs)} folds): median APE {m['median_ape']:.1%}, "
-        f"Spearman median {m['spearman_median']:.2f}, top-1 ratio median {m['top1_ratio_median']:.1%}",
+        f"{st.group_by} ({len(st.fold_coefs)} folds): median APE {fmt(m['median_ape'], '.1%')}, "
+        f"Spearman median {fmt(m['spearman_median'], '.2f')}, "
+        f"top-1 ratio median {fmt(m['top1_ratio_median'], '.1%')}",
         f"{'model':<10} {'world':>5} {'runs':>5} {'Spearman':>9} {'top-1':>7}",
     ]
     for g in m["groups"]:
