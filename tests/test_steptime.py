@@ -3,6 +3,7 @@ coefficients, its held-out ranking figures, its profile section, and plan ranked
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -164,3 +165,29 @@ def test_plan_ranks_by_the_fitted_step_time():
     # Fitted on another device: not used (the proxy ranks, no predicted times).
     other = StepTimeModel({"tp": 1.0}, 0.0, "h100_80gb")
     assert all(r.predicted_step_time_s is None for r in plan(base, PlanOptions(**opts, step_time=other)).rows)
+
+
+def test_plan_table_prints_the_fitted_step_time_and_its_caveats():
+    from harness.cli.render import plan_table
+
+    base = spec("tiny", "cpu")  # bf16
+    model = StepTimeModel({"compute": 2.0}, 0.01, "cpu", cpu_cores=2, unfitted=("pp",), precisions=("fp32",))
+    opts = PlanOptions(gpus=2, micro_batch_sizes=(1,), zero_stages=(0,), recompute=("none",), step_time=model)
+    text = plan_table(plan(base, opts), opts, top=3)
+    assert "ranked by the fitted step time" in text and "TFLOP/s" in text.splitlines()[-4]
+    assert "fitted on fp32 runs, this plan is bf16" in text and "no run with pp" in text
+    other = PlanOptions(gpus=2, step_time=dataclasses.replace(model, device="h100_80gb"))
+    assert "fitted on device h100_80gb, not cpu: ranked by the proxy instead" in plan_table(
+        plan(base, other), other, top=3
+    )
+
+
+def test_report_section_and_figure(tmp_path):
+    from harness.report import fastest_section
+
+    text = "\n".join(fastest_section(evaluate_step_time(_timed_frame()), tmp_path))
+    assert text.startswith("## Which layout is fastest: predicted vs measured")
+    assert "| tiny | 4 | 9 | 1.00 | 100.0% |" in text  # 3 layouts x 3 micro-batch sizes at 4 ranks
+    assert "one step each" in text  # the frame has no step_time_spread
+    assert (tmp_path / "figures" / "fastest_layout.png").stat().st_size > 10_000
+    assert "Too few timed runs" in "\n".join(fastest_section(None, tmp_path))

@@ -178,7 +178,12 @@ def plan_table(result: PlanResult, opts: PlanOptions, *, top: int) -> str:
             f"note: the step-time profile was fitted on {', '.join(timer.precisions)} runs, this plan is "
             f"{first.train.precision}: its compute efficiency is carried over unchecked"
         )
-    elif opts.step_time is not None and not fitted:
+    if fitted and timer.unfitted:
+        lines.append(
+            f"note: the step-time profile had no run with {', '.join(timer.unfitted)}: layouts that need "
+            "them are ranked without that cost"
+        )
+    if opts.step_time is not None and not fitted:
         lines.append(
             f"note: the step-time profile was fitted on device {timer.device}, not {first.device.name}: "
             "ranked by the proxy instead"
