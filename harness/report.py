@@ -20,6 +20,8 @@ from harness.calibrate import (
     evaluate,
     evaluate_step_time,
 )
+from harness.estimate.steptime import TERMS as STEP_TIME_TERMS
+from harness.estimate.steptime import UNITS
 from harness.plots import all_figures, fastest_layout, throughput_unit, world_of
 from harness.record import STATUSES
 
@@ -225,6 +227,17 @@ def fastest_section(st: StepTimeEvaluation | None, out: Path) -> list[str]:
         else "The runs time one step each (no `step_time_spread`): differences of a few percent are noise."
     )
     rho = "none" if m["spearman_median"] is None else f"{m['spearman_median']:.2f}"
+    model, lo, hi = st.model, st.fold_coefs.min(axis=0), st.fold_coefs.max(axis=0)
+    term_rows = [
+        [
+            k,
+            f"{model.coefficients[k]:.4g}",
+            UNITS[k],
+            "no run had it" if k in model.unfitted else f"{a:.4g} – {b:.4g}",
+        ]
+        for k, a, b in zip(STEP_TIME_TERMS, lo, hi, strict=True)
+    ]
+    term_rows.append(["constant", f"{model.constant_s:.4g} s", "", ""])
     lines = [
         title,
         "",
@@ -241,7 +254,10 @@ def fastest_section(st: StepTimeEvaluation | None, out: Path) -> list[str]:
         "",
         noise,
         "",
-        f"Fitted on every timed run ({st.model.device}): " + "; ".join(f"`{x}`" for x in st.model.describe()),
+        f"The profile's `step_time` section, fitted on every timed run ({st.model.device}; seconds = "
+        "coefficient × term):",
+        "",
+        *_table(["term", "coefficient", "unit of the term", "range over folds"], term_rows),
         "",
         f"![{caption}]({png})",
         "",
