@@ -232,6 +232,18 @@ def record_json(record: dict[str, Any]) -> str:
     return json.dumps({k: _clean(v) for k, v in record.items()}, indent=2)
 
 
+def _timing(r: dict[str, Any]) -> str:
+    """How the step time was measured: ``median of 3 steps on rank 1, spread 4.2 %``."""
+    times, spread = r.get("step_times_s"), r.get("step_time_spread")
+    if not times:  # a record from before step_times_s
+        return "median of measured steps, slowest rank"
+    rank = r.get("step_time_rank")
+    text = f"median of {len(times)} step{'s' if len(times) > 1 else ''} on rank {rank}, the slowest"
+    if spread is not None and not math.isnan(spread):
+        text += f"; spread (max - min) / median {spread:.1%}"
+    return text
+
+
 def record_table(record: dict[str, Any]) -> str:
     r = record
     lines = [
@@ -265,7 +277,7 @@ def record_table(record: dict[str, Any]) -> str:
             )
         mfu = r.get("mfu")
         lines += [
-            f"step time {r['step_time_s']:.3f} s (median of measured steps, slowest rank), "
+            f"step time {r['step_time_s']:.3f} s ({_timing(r)}), "
             f"{r['tokens_per_s']:,.0f} tokens/s, {r['tflops_per_device']:.4f} TFLOP/s per device, "
             f"MFU {'n/a' if mfu is None or math.isnan(mfu) else f'{mfu:.1%}'} "
             f"(reference {r['mfu_reference_tflops']:.3g} TFLOP/s)",
