@@ -584,7 +584,11 @@ def step_time_section(ev: StepTimeEvaluation) -> dict[str, Any]:
         "summary": m.describe(),
         "cross_validation": {"group_by": ev.group_by, "folds": len(ev.fold_coefs)},
         "metrics": {k: v for k, v in ev.metrics.items() if k != "groups"},
-        "groups": ev.metrics["groups"],
+        # JSON has no NaN: a group whose measured times all tie has no Spearman correlation.
+        "groups": [
+            {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in g.items()}
+            for g in ev.metrics["groups"]
+        ],
     }
 
 
@@ -599,11 +603,11 @@ def load_step_time(path: str | Path) -> StepTimeModel | None:
     if not section:
         return None
     coefs = section.get("coefficients") or {}
-    unknown = sorted(set(coefs) - set(STEP_TIME_TERMS))
+    changed = sorted(set(coefs) ^ set(STEP_TIME_TERMS))  # a term added or renamed since the fit
     bad = [k for k, v in coefs.items() if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0)]
-    if unknown or bad:
+    if changed or bad:
         raise CalibrationError(
-            f"calibration profile {path}: step_time terms {unknown or bad} are not this harness's "
+            f"calibration profile {path}: step_time terms {changed or bad} are not this harness's "
             "or not finite numbers >= 0: refit it with harness calibrate"
         )
     cores = section.get("cpu_cores")

@@ -146,9 +146,14 @@ def test_evaluation_held_out_by_world_and_its_profile_section(tmp_path):
     assert loaded.step_time_s(s) == pytest.approx(3 * terms_of(s, cpu_cores=2)["compute"] + 0.02)
     path.write_text(json.dumps({"format": "harness-calibration"}))
     assert load_step_time(path) is None  # a profile from before issue 17
-    path.write_text(json.dumps({"step_time": {**step_time_section(st), "coefficients": {"warp": 1.0}}}))
-    with pytest.raises(CalibrationError, match="refit it"):
-        load_step_time(path)
+    for coefs in (
+        {**st.model.coefficients, "warp": 1.0},
+        {"compute": 1.0},
+        {**st.model.coefficients, "tp": -1},
+    ):
+        path.write_text(json.dumps({"step_time": {**step_time_section(st), "coefficients": coefs}}))
+        with pytest.raises(CalibrationError, match="refit it"):  # a term unknown, missing, negative
+            load_step_time(path)
 
 
 def test_plan_ranks_by_the_fitted_step_time():
