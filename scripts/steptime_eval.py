@@ -9,7 +9,9 @@ top-1 ratio (measured tokens/s of the layout predicted fastest / best measured),
   figures), and the same fit in sample (an upper bound: what the terms can express at all);
 - plan's earlier proxy (harness.estimate.comm.cost: compute at peak + bubble + every collective
   serialised), evaluated with the run's own reference TFLOP/s and a 1 GB/s link, as issue 17 measured it.
-Then the fitted terms, and the measured step-time spread where the study recorded one.
+Then the fitted terms, and the measured step-time spread where the study recorded one. With
+``--repeat DIR`` (the same points run again into another directory), the noise ceiling: the same
+figures with the second run's measurement as the "prediction" of the first, which no model can beat.
 """
 
 from __future__ import annotations
@@ -47,10 +49,28 @@ def summary(name: str, groups: pd.DataFrame) -> str:
     )
 
 
+def noise_ceiling(runs: pd.DataFrame, again: pd.DataFrame) -> str:
+    """The ranking figures of a second measurement of the same points (matched by config_id) taken as
+    the prediction of the first, and the median relative difference of the two step times."""
+    second = again[again["status"] == "ok"].set_index("config_id")["step_time_s"]
+    both = runs[runs["config_id"].isin(second.index)]
+    if both.empty:
+        return "--repeat: no point of the study was run again"
+    repeat = second.loc[both["config_id"]].to_numpy(dtype=float)
+    first = both["step_time_s"].to_numpy(dtype=float)
+    diff = np.abs(repeat - first) / ((repeat + first) / 2)
+    return (
+        f"{len(both)} points run twice: step times differ by {np.median(diff):.1%} (median), "
+        f"p90 {np.percentile(diff, 90):.1%}\n"
+        + summary("noise ceiling (run 2 vs run 1)", ranking(both, repeat))
+    )
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results_dir", nargs="?", default="results/cpu_study")
     ap.add_argument("--group-by", default="world", choices=("world", "model", "layout"))
+    ap.add_argument("--repeat", help="a results directory with the same points run again")
     args = ap.parse_args(argv)
     frame, bad = load_results(args.results_dir)
     for line in bad:
@@ -83,6 +103,9 @@ def main(argv: list[str]) -> int:
     print("fitted on every timed run:")
     for line in st.model.describe():
         print(f"  {line}")
+    if args.repeat:
+        again, _ = load_results(args.repeat)
+        print("\n" + noise_ceiling(runs[ok], again))
     if "step_time_spread" in runs and runs["step_time_spread"].notna().any():
         spread = runs.loc[ok, "step_time_spread"].dropna()
         print(
