@@ -7,8 +7,12 @@ ESTIMATOR.md §7–§8. Every term is a count of work over the rate the device p
 - ``recompute``: the FLOPs recomputation adds (a layer's forward again, or the attention core's);
 - ``bubble``: the pipeline's idle time, (p − 1)/(m·v) of the stage's compute (Narayanan et al. 2021);
 - ``memory``: the bytes elementwise work moves over memory bandwidth (each layer's saved activations
-  written forward and read backward, the logits three times): what makes small GEMMs slower than peak;
-- ``overhead``: a fixed cost per layer pass (operator launches, Python), counted in milliseconds;
+  written forward and read backward, the logits three times), in the compute dtype;
+- ``overhead``: a fixed cost per layer pass (operator launches, Python), counted in milliseconds.
+  With ``memory`` it is how efficiency depends on the GEMM shapes per rank: per FLOP, both grow as
+  the shapes shrink (h/tp narrower: more activation bytes per FLOP; fewer tokens per micro-batch: more
+  passes per FLOP), so a fit reads "compute x 1.3 + overhead x 0.04" rather than one efficiency.
+  The peak is the preset's dense BF16 one; an FP32 study fits its own compute coefficient;
 - ``optimizer``: AdamW's update over the rank's (sharded) parameters, 7 fp32 tensors of traffic;
 - ``tp``/``tp_sp`` (without/with sequence parallelism: all-reduces vs all-gather + reduce-scatter
   pairs), ``cp``, ``pp``: each axis's bytes per device over its link (intra- or inter-node by whether
