@@ -448,10 +448,12 @@ class StepTimeCalibrator(RegressorMixin, BaseEstimator):
         A = np.asarray(X[list(self.features)] if isinstance(X, pd.DataFrame) else X, dtype=float)
         return A @ self.coef_ + self.constant_s_
 
-    def model(self, device: str) -> StepTimeModel:
+    def model(
+        self, device: str, *, cpu_cores: int | None = None, precisions: tuple[str, ...] = ()
+    ) -> StepTimeModel:
         check_is_fitted(self, "coef_")
         coefs = {f: float(c) for f, c in zip(self.features, self.coef_, strict=True)}
-        return StepTimeModel(coefs, self.constant_s_, device)
+        return StepTimeModel(coefs, self.constant_s_, device, cpu_cores, self.unfitted_, precisions)
 
 
 @dataclass
@@ -560,7 +562,11 @@ def evaluate_step_time(frame: pd.DataFrame, *, group_by: str = "world") -> StepT
         "top1_ratio_median": float(ranks["top1_ratio"].median()) if len(ranks) else None,
         "groups": ranks.to_dict("records"),
     }
-    return StepTimeEvaluation(runs, group_by, metrics, final.model(device), np.array(coefs))
+    cores = runs["env_cpu_count"].dropna() if "env_cpu_count" in runs else pd.Series(dtype=float)
+    cpu_cores = int(cores.median()) if device == "cpu" and len(cores) else None
+    precisions = tuple(sorted(set(runs["train_precision"].astype(str))))
+    model = final.model(device, cpu_cores=cpu_cores, precisions=precisions)
+    return StepTimeEvaluation(runs, group_by, metrics, model, np.array(coefs))
 
 
 def step_time_section(ev: StepTimeEvaluation) -> dict[str, Any]:
@@ -568,13 +574,20 @@ def step_time_section(ev: StepTimeEvaluation) -> dict[str, Any]:
     m = ev.model
     return {
         "device": m.device,
+        "cpu_cores": m.cpu_cores,
+        "precisions": list(m.precisions),
         "target": "step_time_s",
         "coefficients": {k: float(f"{c:.6g}") for k, c in m.coefficients.items()},
         "constant_s": float(f"{m.constant_s:.6g}"),
+        "unfitted": list(m.unfitted),
         "summary": m.describe(),
         "cross_validation": {"group_by": ev.group_by, "folds": len(ev.fold_coefs)},
         "metrics": {k: v for k, v in ev.metrics.items() if k != "groups"},
-        "groups": ev.metrics["groups"],
+        # JSON has no NaN: a group whose measured times all tie has no Spearman correlation.
+        "groups": [
+            {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in g.items()}
+            for g in ev.metrics["groups"]
+        ],
     }
 
 
@@ -589,13 +602,19 @@ def load_step_time(path: str | Path) -> StepTimeModel | None:
     if not section:
         return None
     coefs = section.get("coefficients") or {}
-    unknown = sorted(set(coefs) - set(STEP_TIME_TERMS))
+    changed = sorted(set(coefs) ^ set(STEP_TIME_TERMS))  # a term added or renamed since the fit
     bad = [k for k, v in coefs.items() if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0)]
-    if unknown or bad:
+    if changed or bad:
         raise CalibrationError(
-            f"calibration profile {path}: step_time terms {unknown or bad} are not this harness's "
+            f"calibration profile {path}: step_time terms {changed or bad} are not this harness's "
             "or not finite numbers >= 0: refit it with harness calibrate"
         )
+    cores = section.get("cpu_cores")
     return StepTimeModel(
-        {k: float(v) for k, v in coefs.items()}, float(section["constant_s"]), section["device"]
+        {k: float(v) for k, v in coefs.items()},
+        float(section["constant_s"]),
+        str(section["device"]),
+        int(cores) if cores else None,
+        tuple(section.get("unfitted") or ()),
+        tuple(section.get("precisions") or ()),
     )

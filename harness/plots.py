@@ -255,3 +255,72 @@ def all_figures(ev: Evaluation, frame: pd.DataFrame, out_dir: str | Path) -> dic
     if (frame["status"] == "ok").any() and frame["tflops_per_device"].notna().any():
         figures["throughput_tp_pp"] = throughput_heatmap(frame, out)
     return figures
+
+
+def fastest_layout(st, out_dir: Path) -> list[Path]:
+    """Which layout is fastest, predicted vs measured: one panel per (model, world size) group of runs
+    that fit, held-out predicted tokens/s against measured tokens/s (log axes, identity line), the
+    layout predicted fastest ringed in red and the measured fastest in black; each title gives the
+    group's Spearman correlation and top-1 ratio. ``st``: harness.calibrate.StepTimeEvaluation."""
+    from matplotlib.ticker import NullFormatter
+
+    runs = st.frame[st.frame["status"] == "ok"]
+    groups = {(g["model"], g["world"]): g for g in st.metrics["groups"]}
+    models = sorted({m for m, _ in groups})
+    worlds = sorted({w for _, w in groups})
+    fig, axes = plt.subplots(
+        len(models), len(worlds), figsize=(2.9 * len(worlds), 2.9 * len(models)), squeeze=False
+    )
+    for i, model in enumerate(models):
+        for j, world in enumerate(worlds):
+            ax = axes[i, j]
+            g = groups.get((model, world))
+            sub = runs[(runs["st_model"] == model) & (runs["st_world"] == world)]
+            if g is None or sub.empty:
+                ax.set_axis_off()
+                continue
+            measured = (sub["st_tokens_per_step"] / sub["step_time_s"]).to_numpy()
+            predicted = (sub["st_tokens_per_step"] / sub["predicted_step_time_s"]).to_numpy()
+            ax.scatter(measured, predicted, s=12, c="tab:blue", alpha=0.7, lw=0)
+            best_pred, best_meas = int(np.argmax(predicted)), int(np.argmax(measured))
+            ax.scatter(measured[best_pred], predicted[best_pred], s=90, facecolors="none",
+                       edgecolors="tab:red", lw=1.5, label="predicted fastest")  # fmt: skip
+            ax.scatter(measured[best_meas], predicted[best_meas], s=40, facecolors="none",
+                       edgecolors="k", lw=1.2, label="measured fastest")  # fmt: skip
+            lo = min(measured.min(), predicted.min()) * 0.8
+            hi = max(measured.max(), predicted.max()) * 1.25
+            ax.plot([lo, hi], [lo, hi], color="0.5", lw=0.8)
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlim(lo, hi)
+            ax.set_ylim(lo, hi)
+            for axis in (ax.xaxis, ax.yaxis):  # major labels only: minor ones collide on short log ranges
+                axis.set_minor_formatter(NullFormatter())
+            ax.tick_params(labelsize=7)
+            ax.grid(True, which="major", alpha=0.3)
+            ax.set_title(
+                f"{model}, {world} ranks ({g['runs']} runs)\nSpearman {g['spearman']:.2f}, "
+                f"top-1 {g['top1_ratio']:.0%}",
+                fontsize=8,
+            )
+            if i == len(models) - 1:
+                ax.set_xlabel("measured tokens/s")
+            if j == 0:
+                ax.set_ylabel("predicted tokens/s (held out)")
+    handles, labels = next(
+        (ax.get_legend_handles_labels() for ax in axes.flat if ax.get_legend_handles_labels()[0]), ([], [])
+    )
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8, bbox_to_anchor=(0.5, -0.02))
+    m = st.metrics
+    medians = (
+        f" (median Spearman {m['spearman_median']:.2f}, top-1 {m['top1_ratio_median']:.0%})"
+        if m["spearman_median"] is not None
+        else ""
+    )
+    fig.suptitle(
+        f"Which layout is fastest: step time predicted held out by {st.group_by} vs measured{medians}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    return _save(fig, out_dir, "fastest_layout")

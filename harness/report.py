@@ -11,8 +11,18 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.calibrate import ESTIMATORS, MIB, PAPER_THRESHOLD, Evaluation, evaluate
-from harness.plots import all_figures, throughput_unit, world_of
+from harness.calibrate import (
+    ESTIMATORS,
+    MIB,
+    PAPER_THRESHOLD,
+    Evaluation,
+    StepTimeEvaluation,
+    evaluate,
+    evaluate_step_time,
+)
+from harness.estimate.steptime import TERMS as STEP_TIME_TERMS
+from harness.estimate.steptime import UNITS
+from harness.plots import all_figures, fastest_layout, throughput_unit, world_of
 from harness.record import STATUSES
 
 GROUP_WORDS = {"world": "world size", "model": "model", "layout": "tp-pp-cp layout"}
@@ -187,6 +197,70 @@ def throughput_section(frame: pd.DataFrame) -> list[str]:
     ]
 
 
+def fastest_section(st: StepTimeEvaluation | None, out: Path) -> list[str]:
+    """Which layout is fastest: the step-time model's held-out ranking against the measured one, per
+    (model, world size) group, with its figure (drawn into ``out/figures``)."""
+    title = "## Which layout is fastest: predicted vs measured"
+    if st is None:
+        return [title, "", "Too few timed runs (or one world size only) to fit the step-time model."]
+    m = st.metrics
+    rows = [
+        [str(g["model"]), str(g["world"]), str(g["runs"]), f"{g['spearman']:.2f}", _pct(g["top1_ratio"])]
+        for g in m["groups"]
+    ]
+    png, svg = (path.relative_to(out).as_posix() for path in fastest_layout(st, out / "figures"))
+    caption = (
+        "Held-out predicted vs measured tokens/s per model and world size; rings: the predicted and the "
+        "measured fastest layout."
+    )
+    spread = st.frame["step_time_spread"] if "step_time_spread" in st.frame else pd.Series(dtype=float)
+    spread = spread[st.frame["status"] == "ok"].dropna()
+    noise = (
+        f"The runs time several steps: the median spread ((max − min) / median of the slowest rank's "
+        f"steps) is {spread.median():.1%} over {len(spread)} runs."
+        if len(spread)
+        else "The runs time one step each (no `step_time_spread`): differences of a few percent are noise."
+    )
+    rho = "none" if m["spearman_median"] is None else f"{m['spearman_median']:.2f}"
+    model, lo, hi = st.model, st.fold_coefs.min(axis=0), st.fold_coefs.max(axis=0)
+    term_rows = [
+        [
+            k,
+            f"{model.coefficients[k]:.4g}",
+            UNITS[k],
+            "no run had it" if k in model.unfitted else f"{a:.4g} – {b:.4g}",
+        ]
+        for k, a, b in zip(STEP_TIME_TERMS, lo, hi, strict=True)
+    ]
+    term_rows.append(["constant", f"{model.constant_s:.4g} s", "", ""])
+    lines = [
+        title,
+        "",
+        f"The step-time model (named terms, harness/estimate/steptime.py) fitted non-negative on "
+        f"{m['fit_runs']} timed runs; each prediction comes from a fit that never saw a run of the same "
+        f"{GROUP_WORDS[st.group_by]} ({len(st.fold_coefs)} folds). Judged on the {m['judged_runs']} runs "
+        f"that fit: held-out median APE of the step time {_pct(m['median_ape'])} (p95 "
+        f"{_pct(m['p95_ape'])}); within each model and world size, the Spearman correlation of predicted "
+        "and measured tokens/s, and the measured tokens/s of the layout predicted fastest over the best "
+        f"measured (top-1). Medians over the groups: Spearman {rho}, top-1 "
+        f"{_pct(m['top1_ratio_median'])}.",
+        "",
+        *_table(["model", "ranks", "runs that fit", "Spearman", "top-1"], rows),
+        "",
+        noise,
+        "",
+        f"The profile's `step_time` section, fitted on every timed run ({st.model.device}; seconds = "
+        "coefficient × term):",
+        "",
+        *_table(["term", "coefficient", "unit of the term", "range over folds"], term_rows),
+        "",
+        f"![{caption}]({png})",
+        "",
+        f"*{caption}* ([SVG]({svg}))",
+    ]
+    return lines
+
+
 def write_report(
     frame: pd.DataFrame,
     *,
@@ -212,6 +286,8 @@ def write_report(
         *calibration_section(ev),
         "",
         *throughput_section(frame),
+        "",
+        *fastest_section(evaluate_step_time(frame, group_by=group_by), out),
         "",
         "## Figures",
         "",

@@ -166,6 +166,11 @@ def test_cli_calibrate_estimate_plan_and_report(tmp_path):
         "safe_threshold",
     }
     assert out["profile"] == str(profile) and profile.exists()
+    # The step-time model's held-out figures (issue 17), and its section in the same profile.
+    assert set(out["throughput"]) == {"median_ape", "spearman_median", "top1_ratio_median"}
+    assert 0 < out["throughput"]["top1_ratio_median"] <= 1
+    section = json.loads(profile.read_text())["step_time"]
+    assert section["device"] == "cpu" and len(section["summary"]) == len(section["coefficients"]) + 1
 
     args = ["model=tiny", "train.precision=fp32", "train.seq_len=512", "parallel.dp=2"]
     plain = json.loads(harness_cli("estimate", *args, "format=json").stdout)
@@ -180,6 +185,8 @@ def test_cli_calibrate_estimate_plan_and_report(tmp_path):
     plan = json.loads(harness_cli("plan", "plan.gpus=4", f"calibration={profile}", "format=json").stdout)
     assert plan["layouts"] and all(r["calibrated_bytes"] is not None for r in plan["layouts"])
     assert all(r["utilisation"] <= 0.8 for r in plan["layouts"])
+    times = [r["predicted_step_time_s"] for r in plan["layouts"]]  # ranked by the fitted step time
+    assert None not in times and times == sorted(times)
 
     out_dir = tmp_path / "report"
     for _ in range(2):  # regenerated from the same runs: the same file, byte for byte
@@ -188,10 +195,12 @@ def test_cli_calibrate_estimate_plan_and_report(tmp_path):
         text = (out_dir / "report.md").read_text()
         first = locals().setdefault("first", text)
     assert text == first
-    for name in ("predicted_vs_measured", "utilisation_vs_outcome", "residuals_by_term", "throughput_tp_pp"):
+    names = ("predicted_vs_measured", "utilisation_vs_outcome", "residuals_by_term", "throughput_tp_pp")
+    for name in (*names, "fastest_layout"):
         assert (out_dir / "figures" / f"{name}.png").stat().st_size > 10_000
         assert f"figures/{name}.png" in text
     assert "| calibrated |" in text and "The calibrated held-out median error" in text
+    assert "## Which layout is fastest: predicted vs measured" in text
 
 
 def test_calibrate_says_what_is_wrong_with_its_input(tmp_path):

@@ -63,3 +63,13 @@ def test_record_carries_timing_and_survives_the_store(tmp_path):
     assert list(new["step_times_s"]) == [0.50, 0.40, 0.45]
     assert math.isclose(new["step_time_spread"], 0.1 / 0.45)
     assert pd.isna(frame.set_index("config_id").loc["old0000000000", "step_time_spread"])
+
+
+def test_run_table_says_how_the_step_was_timed():
+    from harness.cli.render import _timing
+
+    row = {"step_times_s": [0.5, 0.4, 0.45], "step_time_rank": 0, "step_time_spread": 0.1 / 0.45}
+    assert _timing(row) == "median of 3 steps on rank 0, the slowest; spread (max - min) / median 22.2%"
+    assert _timing({**row, "step_times_s": [0.5], "step_time_spread": math.nan}) == (
+        "median of 1 step on rank 0, the slowest"
+    )

@@ -83,6 +83,15 @@ def _profile(cfg: dict):
     return load_profile(cfg["calibration"])
 
 
+def _step_time(cfg: dict):
+    """The step-time model of the profile named by ``calibration=`` (None when unset or it has none)."""
+    if not cfg.get("calibration"):
+        return None
+    from harness.calibrate import load_step_time
+
+    return load_step_time(cfg["calibration"])
+
+
 def _plan(overrides: Sequence[str]) -> int:
     from harness.cli.render import plan_json, plan_table
     from harness.estimate.plan import PlanOptions, plan
@@ -102,6 +111,7 @@ def _plan(overrides: Sequence[str]) -> int:
         threshold=threshold,
         engine=engine_name(cfg),
         calibration=_profile(cfg),
+        step_time=_step_time(cfg),
     )
     if p.get("emit"):  # a path Hydra could not find as a study fails before the work, not after
         from harness.cli.config import config_dir
@@ -246,21 +256,30 @@ def _results(args: Sequence[str]) -> int:
 
 
 def _calibrate(overrides: Sequence[str]) -> int:
-    from harness.calibrate import evaluate, profile_of, save_profile
-    from harness.cli.render import calibration_table
+    from harness.calibrate import evaluate, evaluate_step_time, profile_of, save_profile, step_time_section
+    from harness.cli.render import calibration_table, step_time_table
 
     cfg = compose(overrides)
     fmt, _ = _output_settings(cfg)
     root = str(cfg["results_dir"])
     frame = _load(root)
-    ev = evaluate(frame, engine=engine_name(cfg), group_by=str(cfg["calibrate"]["group_by"]))
-    path = save_profile(
-        profile_of(ev, results_dir=root), cfg["calibrate"]["profile"] or f"{root}/calibration.json"
-    )
+    group_by = str(cfg["calibrate"]["group_by"])
+    ev = evaluate(frame, engine=engine_name(cfg), group_by=group_by)
+    st = evaluate_step_time(frame, group_by=group_by)  # None: too few timed runs
+    profile = profile_of(ev, results_dir=root)
+    if st is not None:
+        profile["step_time"] = step_time_section(st)
+    path = save_profile(profile, cfg["calibrate"]["profile"] or f"{root}/calibration.json")
     if fmt == "json":
-        print(json.dumps({"estimators": ev.metrics, "profile": str(path)}, indent=2))
+        out = {"estimators": ev.metrics, "profile": str(path)}
+        if st is not None:
+            keys = ("median_ape", "spearman_median", "top1_ratio_median")
+            out["throughput"] = {k: st.metrics[k] for k in keys}
+        print(json.dumps(out, indent=2))
     else:
         print(calibration_table(ev, profile_path=str(path)))
+        if st is not None:
+            print("\n" + step_time_table(st))
     return 0
 
 

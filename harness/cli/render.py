@@ -206,6 +206,8 @@ def _row_fields(row: PlanRow) -> dict[str, Any]:
         "bubble": c.bubble,
         "comm_bytes": round(c.comm_bytes),
         "step_time_proxy_s": None if math.isnan(c.step_time_s) else c.step_time_s,
+        "predicted_step_time_s": row.predicted_step_time_s,
+        "predicted_tflops_per_device": row.predicted_tflops_per_device,
     }
 
 
@@ -246,21 +248,42 @@ def plan_table(result: PlanResult, opts: PlanOptions, *, top: int, explain: bool
                 f"({best.utilisation:.0%} utilisation): {layout_line(best.estimate.spec)}"
             )
         return "\n".join(lines)
-    has_time = not math.isnan(result.fitting[0].cost.step_time_s)
+    fitted = result.fitting[0].predicted_step_time_s is not None
+    has_time = fitted or not math.isnan(result.fitting[0].cost.step_time_s)
     rank_by = (
-        "step-time proxy (compute at peak + bubble + unoverlapped comm)"
+        "the fitted step time (calibration's step_time section)"
+        if fitted
+        else "step-time proxy (compute at peak + bubble + unoverlapped comm)"
         if has_time
         else (
             "compute overhead (recomputation × bubble), then communication volume (no peak/link figures for "
             "this device)"
         )
     )
-    lines += [f"ranked by {rank_by}; top {min(top, len(result.fitting))}:", ""]
+    lines += [f"ranked by {rank_by}; top {min(top, len(result.fitting))}:"]
+    timer = opts.step_time
+    if fitted and timer.precisions and first.train.precision not in timer.precisions:
+        lines.append(
+            f"note: the step-time profile was fitted on {', '.join(timer.precisions)} runs, this plan is "
+            f"{first.train.precision}: its compute efficiency is carried over unchecked"
+        )
+    if fitted and timer.unfitted:
+        lines.append(
+            f"note: the step-time profile had no run with {', '.join(timer.unfitted)}: layouts that need "
+            "them are ranked without that cost"
+        )
+    if opts.step_time is not None and not fitted:
+        lines.append(
+            f"note: the step-time profile was fitted on device {timer.device}, not {first.device.name}: "
+            "ranked by the proxy instead"
+        )
+    lines.append("")
     header = (
         f"{'#':>3} {'dp':>5} {'tp':>3} {'pp':>3} {'cp':>4} {'zero':>4} {'sched':>10} {'mbs':>4} {'m':>5} "
     )
     header += f"{'recomp':>9} {'memory':>10} {'util':>6} {'bubble':>7} {'comm':>10}"
     header += f" {'step s':>8}" if has_time else ""
+    header += f" {'TFLOP/s':>8}" if fitted else ""
     lines.append(header)
     for i, row in enumerate(result.fitting[:top], 1):
         spec, c = row.estimate.spec, row.cost
@@ -274,7 +297,10 @@ def plan_table(result: PlanResult, opts: PlanOptions, *, top: int, explain: bool
             f"{human(row.predicted_bytes):>10} {row.utilisation:>6.1%} {c.bubble:>7.1%} "
             f"{human(c.comm_bytes):>10}"
         )
-        if has_time:
+        if fitted:
+            tflops = row.predicted_tflops_per_device
+            line += f" {row.predicted_step_time_s:>8.3f} {'-' if tflops is None else f'{tflops:.3g}':>8}"
+        elif has_time:
             line += f" {c.step_time_s:>8.3f}"
         lines.append(line)
     short = PLAN_LEGEND.split("; memory")[0] + "; explain=true: every column"
@@ -397,6 +423,18 @@ def record_json(record: dict[str, Any]) -> str:
     return json.dumps({k: _clean(v) for k, v in record.items()}, indent=2)
 
 
+def _timing(r: dict[str, Any]) -> str:
+    """How the step time was measured: ``median of 3 steps on rank 1, spread 4.2 %``."""
+    times, spread = r.get("step_times_s"), r.get("step_time_spread")
+    if not times:  # a record from before step_times_s
+        return "median of measured steps, slowest rank"
+    rank = r.get("step_time_rank")
+    text = f"median of {len(times)} step{'s' if len(times) > 1 else ''} on rank {rank}, the slowest"
+    if spread is not None and not math.isnan(spread):
+        text += f"; spread (max - min) / median {spread:.1%}"
+    return text
+
+
 def record_table(record: dict[str, Any]) -> str:
     r = record
     lines = [
@@ -430,7 +468,7 @@ def record_table(record: dict[str, Any]) -> str:
             )
         mfu = r.get("mfu")
         lines += [
-            f"step time {r['step_time_s']:.3f} s (median of measured steps, slowest rank), "
+            f"step time {r['step_time_s']:.3f} s ({_timing(r)}), "
             f"{r['tokens_per_s']:,.0f} tokens/s, {r['tflops_per_device']:.4f} TFLOP/s per device, "
             f"MFU {'n/a' if mfu is None or math.isnan(mfu) else f'{mfu:.1%}'} "
             f"(reference {r['mfu_reference_tflops']:.3g} TFLOP/s)",
@@ -472,3 +510,28 @@ def calibration_table(ev, *, profile_path: str) -> str:
     ]
     return "\n".join(lines)
 
+
+def step_time_table(st) -> str:
+    """``harness calibrate``'s step-time part: held-out accuracy, ranking per group, the fitted terms."""
+    m = st.metrics
+
+    def fmt(x: float | None, spec: str) -> str:
+        return "n/a" if x is None else format(x, spec)
+
+    lines = [
+        f"step time: {m['fit_runs']} timed runs fitted, {m['judged_runs']} that fit judged, held out by "
+        f"{st.group_by} ({len(st.fold_coefs)} folds): median APE {fmt(m['median_ape'], '.1%')}, "
+        f"Spearman median {fmt(m['spearman_median'], '.2f')}, "
+        f"top-1 ratio median {fmt(m['top1_ratio_median'], '.1%')}",
+        f"{'model':<10} {'world':>5} {'runs':>5} {'Spearman':>9} {'top-1':>7}",
+    ]
+    for g in m["groups"]:
+        lines.append(
+            f"{g['model']:<10} {g['world']:>5} {g['runs']:>5} {g['spearman']:>9.2f} {g['top1_ratio']:>7.1%}"
+        )
+    lines += [
+        "Spearman: rank correlation of predicted and measured tokens/s within the group; top-1: measured",
+        "tokens/s of the layout predicted fastest over the best measured.",
+        f"step-time profile ({st.model.device}): " + "; ".join(st.model.describe()),
+    ]
+    return "\n".join(lines)

@@ -44,6 +44,9 @@ class PlanOptions:
     # A calibration profile (harness.calibrate.Profile, or any object with total_bytes(Estimate) -> int):
     # when set, whether a layout fits is judged on its calibrated peak.
     calibration: Any = None
+    # A fitted step-time model (harness.estimate.steptime.StepTimeModel, a calibration profile's
+    # "step_time"): when set and fitted on this device, layouts that fit are ranked by its step time.
+    step_time: Any = None
 
     def __post_init__(self) -> None:
         bad = []
@@ -77,6 +80,8 @@ class PlanRow:
     fits: bool
     calibrated_bytes: int | None = None  # the calibration profile's allocated peak, when plan uses one
     device_bytes: int | None = None  # the device level the verdict is based on (levels.verdict_bytes)
+    predicted_step_time_s: float | None = None  # the fitted step-time model's, when plan uses one
+    predicted_tflops_per_device: float | None = None
 
     @property
     def predicted_bytes(self) -> int:
@@ -90,13 +95,16 @@ class PlanRow:
         return self.predicted_bytes / self.estimate.capacity_bytes
 
     def sort_key(self) -> tuple:
-        """Fitting layouts first, by step-time proxy (or, where the device has no peak and link
-        figures, by compute overhead — recomputation and bubble — then traffic), then by memory;
-        the others by memory."""
+        """Fitting layouts first, by the fitted step time where plan has a step-time model for the
+        device, else by the step-time proxy (or, where the device has no peak and link figures, by
+        compute overhead — recomputation and bubble — then traffic), then by memory; the others by
+        memory."""
         c = self.cost
         if c is None:
             return (True, math.inf, math.inf, math.inf, self.predicted_bytes)
         time_key = c.step_time_s if not math.isnan(c.step_time_s) else math.inf
+        if self.predicted_step_time_s is not None:
+            time_key = self.predicted_step_time_s
         return (False, time_key, c.compute_factor, c.comm_bytes, self.predicted_bytes)
 
 
@@ -179,6 +187,7 @@ def plan(base: RunSpec, opts: PlanOptions) -> PlanResult:
     if wrong_types:
         raise InvalidSpec(wrong_types)
     rows, considered, invalid = [], 0, 0
+    timer = opts.step_time if opts.step_time is not None and opts.step_time.applies_to(base) else None
     for group in candidate_groups(base, opts):
         considered += len(group)
         if layout_problems(group[0]):
@@ -190,6 +199,13 @@ def plan(base: RunSpec, opts: PlanOptions) -> PlanResult:
             calibrated = None if opts.calibration is None else opts.calibration.total_bytes(est)
             device = verdict_bytes(est, opts.calibration)
             fits = device / est.capacity_bytes <= opts.threshold
-            rows.append(PlanRow(est, cost(spec) if fits else None, fits, calibrated, device))
+            timed = {}
+            if fits and timer is not None:
+                step = timer.step_time_s(spec)
+                timed = {
+                    "predicted_step_time_s": step,
+                    "predicted_tflops_per_device": timer.tflops_per_device(spec, step) if step > 0 else None,
+                }
+            rows.append(PlanRow(est, cost(spec) if fits else None, fits, calibrated, device, **timed))
     rows.sort(key=PlanRow.sort_key)
     return PlanResult(tuple(rows), considered, invalid)

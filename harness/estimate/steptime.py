@@ -7,16 +7,21 @@ ESTIMATOR.md §7–§8. Every term is a count of work over the rate the device p
 - ``recompute``: the FLOPs recomputation adds (a layer's forward again, or the attention core's);
 - ``bubble``: the pipeline's idle time, (p − 1)/(m·v) of the stage's compute (Narayanan et al. 2021);
 - ``memory``: the bytes elementwise work moves over memory bandwidth (each layer's saved activations
-  written forward and read backward, the logits three times): what makes small GEMMs slower than peak;
-- ``overhead``: a fixed cost per layer pass (operator launches, Python), counted in milliseconds;
+  written forward and read backward, the logits three times), in the compute dtype;
+- ``overhead``: a fixed cost per layer pass (operator launches, Python), counted in milliseconds.
+  With ``memory`` it is how efficiency depends on the GEMM shapes per rank: per FLOP, both grow as
+  the shapes shrink (h/tp narrower: more activation bytes per FLOP; fewer tokens per micro-batch: more
+  passes per FLOP), so a fit reads "compute x 1.3 + overhead x 0.04" rather than one efficiency.
+  The peak is the preset's dense BF16 one; an FP32 study fits its own compute coefficient;
 - ``optimizer``: AdamW's update over the rank's (sharded) parameters, 7 fp32 tensors of traffic;
-- ``tp``, ``cp``, ``pp``: each axis's bytes per device over its link (intra- or inter-node by whether
-  the group spans nodes), serialised with compute (Megatron's tp collectives sit on the critical path);
+- ``tp``/``tp_sp`` (without/with sequence parallelism: all-reduces vs all-gather + reduce-scatter
+  pairs), ``cp``, ``pp``: each axis's bytes per device over its link (intra- or inter-node by whether
+  the group spans nodes), on the critical path (Megatron's tensor-parallel collectives are);
 - ``dp_replicated`` (ZeRO 0/1: DDP's bucketed all-reduce, overlapped with backward) and
   ``dp_sharded`` (ZeRO 2/3: FSDP's prefetched all-gathers and reduce-scatters): kept apart so that the
-  fit learns how much of each family's traffic stays exposed;
-- ``latency``: ring steps (n − 1 per collective over n ranks, 2(n − 1) per all-reduce, 1 per
-  point-to-point send) times the per-step latency of the link.
+  fit learns how much of each family's traffic stays exposed (a coefficient below the others: hidden);
+- ``tp_latency``, ``cp_latency``, ``pp_latency``, ``dp_latency``: ring steps (n − 1 per collective
+  over n ranks, 2(n − 1) per all-reduce, 1 per point-to-point send) times the link's latency per step.
 
 Where a preset lacks a figure (the CPU preset has none) the term is in that figure's unit (1 TFLOP/s,
 1 GB/s, 1 µs) and the fitted coefficient carries the device's rate. A device may host several ranks
@@ -54,23 +59,17 @@ TERMS = (
     "dp_latency",
 )
 # The rate each term divides by, as the profile prints it; a preset without the figure uses the unit.
+_FLOPS, _MEMORY = "peak TFLOP/s; CPU: 1 TFLOP/s a core", "memory GB/s; CPU: 1 GB/s a core"
+_LINK, _LATENCY = "link GB/s; CPU: 1 GB/s", "µs per ring step; CPU: 1 µs"
 UNITS = {
-    "compute": "peak TFLOP/s",
-    "recompute": "peak TFLOP/s",
-    "bubble": "peak TFLOP/s",
-    "memory": "memory GB/s",
+    "compute": _FLOPS,
+    "recompute": _FLOPS,
+    "bubble": _FLOPS,
+    "memory": _MEMORY,
     "overhead": "1 ms per layer pass",
-    "optimizer": "memory GB/s",
-    "tp": "link GB/s",
-    "tp_sp": "link GB/s",
-    "cp": "link GB/s",
-    "pp": "link GB/s",
-    "dp_replicated": "link GB/s",
-    "dp_sharded": "link GB/s",
-    "tp_latency": "link latency µs",
-    "cp_latency": "link latency µs",
-    "pp_latency": "link latency µs",
-    "dp_latency": "link latency µs",
+    "optimizer": _MEMORY,
+    **{k: _LINK for k in ("tp", "tp_sp", "cp", "pp", "dp_replicated", "dp_sharded")},
+    **{k: _LATENCY for k in ("tp_latency", "cp_latency", "pp_latency", "dp_latency")},
 }
 OPTIMIZER_BYTES_PER_PARAM = 28  # AdamW in fp32: read param, grad, m, v; write param, m, v
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
@@ -84,7 +83,8 @@ def sharing(spec: RunSpec, *, cpu_cores: int | None = None) -> float:
     each rank cores // ranks threads, at least one), so the machine does the work of all of them:
     world / cores, and each term is in seconds of one core (a term's coefficient, the core's rate).
     Checked on the CPU study against treating a lone rank's Python overhead as unshared by its two
-    threads (max(1, world / cores) for serial work): that held out worse (median APE 16 % vs 13 %).
+    threads (max(1, world / cores) for serial work): that held out worse (median APE over every timed
+    run, held out by world size: 15.6 % vs 13.4 %; Spearman median 0.78 vs 0.87).
     Without ``cpu_cores`` the world is taken as one rank per core."""
     if spec.device.name != "cpu":
         return 1.0
@@ -151,7 +151,8 @@ def terms_of(spec: RunSpec, *, cpu_cores: int | None = None) -> dict[str, float]
     model_flops, extra_flops = stage_flops(spec)
     compute = model_flops * share / rate["flops"]
     recompute = extra_flops * share / rate["flops"]
-    # Idle while the pipeline fills and drains; on a shared CPU the other ranks use the idle cores.
+    # Idle while the pipeline fills and drains (on the shared CPU the fit finds it ~0: ranks that
+    # outnumber the cores fill each other's idle time).
     bubble = bubble_fraction(spec) * (compute + recompute)
 
     acts = layer_activation_bytes(m, p, t, engine="torch", recompute="none") * layers * mb * 2
@@ -206,31 +207,40 @@ def terms_of(spec: RunSpec, *, cpu_cores: int | None = None) -> dict[str, float]
 @dataclass(frozen=True)
 class StepTimeModel:
     """A fitted step-time model: ``step_time_s = sum_k coef_k * term_k + constant_s`` on ``device``
-    (the preset whose figures the terms were computed with; a profile fitted on one device says nothing
-    of another's efficiency)."""
+    (the preset whose figures the terms were computed with: a profile fitted on one device says nothing
+    of another's efficiency, so ``plan`` uses it on that device only)."""
 
     coefficients: dict[str, float]
     constant_s: float
     device: str
+    cpu_cores: int | None = None  # the fitting machine's cores, for a CPU profile (see sharing())
+    unfitted: tuple[str, ...] = ()  # terms no fitted run exercised (coefficient 0: unknown, not free)
+    precisions: tuple[str, ...] = ()  # train.precision of the fitted runs
 
     def applies_to(self, spec: RunSpec) -> bool:
         return spec.device.name == self.device
 
     def terms(self, spec: RunSpec) -> dict[str, float]:
         """Each term's fitted seconds (coefficient × term)."""
-        raw = terms_of(spec)
+        raw = terms_of(spec, cpu_cores=self.cpu_cores)
         return {k: self.coefficients.get(k, 0.0) * raw[k] for k in TERMS}
 
     def step_time_s(self, spec: RunSpec) -> float:
         return sum(self.terms(spec).values()) + self.constant_s
 
-    def tflops_per_device(self, spec: RunSpec) -> float:
-        """Predicted model TFLOP/s per device (Megatron's count, as the records' ``tflops_per_device``)."""
-        return model_flops_per_step(spec) / (self.step_time_s(spec) * spec.parallel.world) / 1e12
+    def tflops_per_device(self, spec: RunSpec, step_time_s: float | None = None) -> float:
+        """Predicted model TFLOP/s per device (Megatron's count, as the records' ``tflops_per_device``),
+        from ``step_time_s`` when the caller has it."""
+        step = self.step_time_s(spec) if step_time_s is None else step_time_s
+        return model_flops_per_step(spec) / (step * spec.parallel.world) / 1e12
 
     def describe(self) -> list[str]:
         """One line per term, as the profile stores it: ``compute x 2.310 (peak TFLOP/s)``."""
-        lines = [f"{k} x {self.coefficients.get(k, 0.0):.4g} ({UNITS[k]})" for k in TERMS]
+        lines = [
+            f"{k} x {self.coefficients.get(k, 0.0):.4g} ({UNITS[k]})"
+            + (" unfitted: no run had it" if k in self.unfitted else "")
+            for k in TERMS
+        ]
         return [*lines, f"constant {self.constant_s:.4g} s"]
 
 
