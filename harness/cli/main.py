@@ -102,6 +102,8 @@ def _plan(overrides: Sequence[str]) -> int:
         engine=engine_name(cfg),
         calibration=_profile(cfg),
     )
+    if int(p["top"]) < 1:
+        raise ValueError(f"plan.top={p['top']} must be >= 1 (rows printed)")
     result = plan(run_spec(cfg), opts)
     if fmt == "json":
         print(json.dumps(plan_json(result, opts), indent=2))
@@ -114,13 +116,11 @@ def _run(overrides: Sequence[str]) -> int:
     from harness.cli.render import record_json, record_table
     from harness.runner.supervisor import run_point
     from harness.specs import spec_id
-    from harness.sweep import slurm_task
+    from harness.sweep import run_timeout, slurm_task
 
     cfg = compose(overrides)
     fmt, _ = _output_settings(cfg)
-    timeout_s = float(cfg["run"]["timeout_s"])
-    if not timeout_s > 0:
-        raise ValueError(f"run.timeout_s={timeout_s} must be > 0")
+    timeout_s = run_timeout(cfg)
     # Unknown or missing keys are a usage error (one line, exit 2); an impossible layout is a record.
     spec = run_spec(cfg)
     # Under `srun --nodes=N` (or several tasks of one node) each task forks its block of the ranks,
