@@ -35,10 +35,21 @@ overrides are Hydra's: group=preset (model=llama3_8b device=h100_94gb engine=pap
 
 
 def _output_settings(cfg: dict) -> tuple[str, float]:
-    """``format`` and ``threshold``, checked."""
+    """``format`` and ``threshold``, checked; ``threshold=profile`` is the calibration profile's
+    learned safe threshold."""
     fmt = cfg["format"]
     if fmt not in ("table", "json"):
         raise ValueError(f"format={fmt!r} must be table or json")
+    if cfg["threshold"] == "profile":
+        profile = _profile(cfg)
+        if profile is None:
+            raise ValueError("threshold=profile needs calibration=PATH (the profile whose threshold to use)")
+        if profile.safe_threshold is None:
+            raise ValueError(
+                f"threshold=profile: {profile.path} learned no safe threshold (no run of its fit ran out "
+                "of memory); give threshold=<fraction>"
+            )
+        return fmt, profile.safe_threshold
     try:
         threshold = float(cfg["threshold"])
     except (TypeError, ValueError):
@@ -77,9 +88,14 @@ def _profile(cfg: dict):
     """The calibration profile named by ``calibration=`` (None when unset)."""
     if not cfg.get("calibration"):
         return None
-    from harness.calibrate import load_profile
+    from harness.profile import load_profile  # no scikit-learn: applying a profile is arithmetic
 
-    return load_profile(cfg["calibration"])
+    profile = load_profile(cfg["calibration"])
+    warning = profile.outside(run_spec(cfg))
+    if warning and not cfg.get("_warned"):
+        cfg["_warned"] = True  # (threshold=profile loads it a second time)
+        print(f"harness: warning: {warning}", file=sys.stderr)
+    return profile
 
 
 def _plan(overrides: Sequence[str]) -> int:
