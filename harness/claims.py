@@ -179,11 +179,19 @@ def _hold(path: Path, token: str) -> None:
 def _heartbeat() -> None:
     while True:
         time.sleep(HEARTBEAT_S)
-        with _lock:
-            paths = list(_held)
-        for path in paths:
-            try:
-                os.utime(path)  # NFS: the server's clock sets the time
-            except OSError:
-                with _lock:
-                    _held.pop(path, None)
+        beat()
+
+
+def beat() -> None:
+    """Touch every claim this process holds (and forget those that are no longer its own)."""
+    with _lock:
+        held = list(_held.items())
+    for path, token in held:
+        info, _ = read_claim(path)
+        try:
+            if not info or info.get("token") != token:  # released, or another sweep's now
+                raise FileNotFoundError(path)
+            os.utime(path)  # NFS: the server's clock sets the time
+        except OSError:
+            with _lock:
+                _held.pop(path, None)

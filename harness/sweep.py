@@ -411,15 +411,15 @@ def start_progress(results_dir: str, *, name: str, launched: int, planned: list[
     (root / DONE_FILE).write_text("")
 
 
-def what_is_left(results_dir: str) -> str | None:
+def what_is_left(results_dir: str, ids: set[str] | None = None) -> str | None:
     """``sweep cpu_smoke: 8 points, 6 with a row, 2 left`` for the last sweep started in the directory
-    (None when no sweep was started there)."""
+    (None when no sweep was started there). ``ids``: the runs already read (else they are read)."""
     try:
         plan = json.loads((Path(results_dir) / PLAN_FILE).read_text())
     except (OSError, ValueError):
         return None
     planned = set(plan.get("planned", []))
-    done = planned & existing_ids(results_dir)
+    done = planned & (existing_ids(results_dir) if ids is None else ids)
     left = len(planned) - len(done)
     return f"sweep {plan['name']}: {len(planned)} points, {len(done)} with a row, {left} left"
 

@@ -77,6 +77,26 @@ def test_a_dead_or_silent_claimer_loses_its_claim(tmp_path):
     assert path.exists()
 
 
+def test_the_heartbeat_keeps_a_held_claim_alive_and_no_other(tmp_path):
+    assert claims.try_claim(tmp_path, "mine", "t") == (True, None)
+    assert claims.try_claim(tmp_path, "given-up", "t") == (True, None)
+    old = time.time() - 60
+    for name in ("mine", "given-up"):
+        os.utime(claims.claim_path(tmp_path, name), (old, old))
+    # another sweep took "given-up" over meanwhile: this process must not keep it alive
+    claims.claim_path(tmp_path, "given-up").write_text(
+        json.dumps({"host": "node-17", "pid": 1, "token": "x"})
+    )
+    os.utime(claims.claim_path(tmp_path, "given-up"), (old, old))
+    claims.beat()
+    assert claims.read_claim(claims.claim_path(tmp_path, "mine"))[1] < 5
+    assert claims.read_claim(claims.claim_path(tmp_path, "given-up"))[1] > 59
+    claims.release_all("t")
+    assert (
+        not claims.claim_path(tmp_path, "mine").exists() and claims.claim_path(tmp_path, "given-up").exists()
+    )
+
+
 def test_a_job_skips_a_point_another_sweep_holds(tmp_path, capsys, monkeypatch):
     cfg = config(tmp_path, "++sweep.claim=mine")
     assert claims.try_claim(tmp_path, point_id(cfg), "theirs")[0]

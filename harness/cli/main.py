@@ -178,7 +178,8 @@ def _results(args: Sequence[str]) -> int:
             f"{root}: {len(frame)} runs: "
             + (", ".join(f"{s} {n}" for s, n in counts.most_common()) or "none")
         )
-        for line in (what_is_left(root), leftover_points(root)):
+        ids = set(frame["config_id"]) if "config_id" in frame else set()
+        for line in (what_is_left(root, ids), leftover_points(root)):
             if line:
                 print(line)
     for line in bad:
