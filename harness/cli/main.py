@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -92,10 +93,15 @@ def _profile(cfg: dict):
 
     profile = load_profile(cfg["calibration"])
     warning = profile.outside(run_spec(cfg))
-    if warning and not cfg.get("_warned"):
-        cfg["_warned"] = True  # (threshold=profile loads it a second time)
-        print(f"harness: warning: {warning}", file=sys.stderr)
+    if warning:
+        _warn_once(f"harness: warning: {warning}")
     return profile
+
+
+@functools.cache
+def _warn_once(line: str) -> None:
+    """(threshold=profile loads the profile a second time: one warning still)"""
+    print(line, file=sys.stderr)
 
 
 def _plan(overrides: Sequence[str]) -> int:
