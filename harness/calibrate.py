@@ -29,33 +29,25 @@ from sklearn.utils.validation import check_is_fitted
 from harness import __version__
 from harness import fragmentation as frag
 from harness.estimate import TERMS, estimate
-from harness.estimate.core import STATE_TERMS, STEP_TERMS, Estimate
 from harness.estimate.steptime import TERMS as STEP_TIME_TERMS
 from harness.estimate.steptime import StepTimeModel
 from harness.estimate.steptime import terms_of as step_terms_of
+from harness.profile import (  # noqa: F401 - loading and applying a profile live there (no sklearn)
+    ENGINES_COMPARED,
+    PROFILE_FORMAT,
+    PROFILE_VERSION,
+    CalibrationError,
+    Profile,
+    fitted_on,
+    load_profile,
+    peak_terms,
+)
 from harness.specs import InvalidSpec, RunSpec, from_flat
 
-PROFILE_FORMAT = "harness-calibration"
-PROFILE_VERSION = 1
-ENGINES_COMPARED = ("paper", "megatron", "torch")
 ESTIMATORS = (*ENGINES_COMPARED, "calibrated")
 GROUPINGS = ("world", "model", "layout")
 MIB = 2**20
 PAPER_THRESHOLD = 0.8  # Fujii et al. 2024: below 80 % estimated utilisation no run ran out of memory
-
-
-class CalibrationError(ValueError):
-    """A profile that cannot be used here, or data a fit cannot be made from; the message says why."""
-
-
-def peak_terms(terms: dict[str, int]) -> dict[str, int]:
-    """The terms that make up the estimator's peak: states plus the larger of the forward/backward
-    branch and the optimizer-step branch (core.peak_bytes); the other branch is zeroed, so that the
-    terms sum to the estimate and a coefficient scales only what is in the peak."""
-    fwd = [k for k in TERMS if k not in STATE_TERMS and k not in STEP_TERMS]
-    step_wins = sum(terms[k] for k in STEP_TERMS) > sum(terms[k] for k in fwd)
-    drop = set(fwd) if step_wins else set(STEP_TERMS)
-    return {k: (0 if k in drop else int(terms[k])) for k in TERMS}
 
 
 class MemoryCalibrator(RegressorMixin, BaseEstimator):
@@ -308,7 +300,14 @@ def profile_of(ev: Evaluation, *, results_dir: str) -> dict[str, Any]:
         "constant_bytes": round(model.constant_bytes_),
         "fragmentation": ev.fragmentation,
         "summary": model.describe(),
-        "fitted_on": {"results_dir": results_dir, "count": len(ids), "config_ids": sorted(ids)},
+        "fitted_on": {
+            "results_dir": results_dir,
+            "count": len(ids),
+            "config_ids": sorted(ids),
+            **fitted_on(
+                [s for s, m in zip(data.specs, data.measured, strict=True) if m], _torch_versions(data)
+            ),
+        },
         "cross_validation": {"group_by": ev.group_by, "folds": len(ev.fold_coefs)},
         "metrics": ev.metrics,
     }
@@ -323,88 +322,9 @@ def save_profile(profile: dict[str, Any], path: str | Path) -> Path:
     return path
 
 
-@dataclass(frozen=True)
-class Profile:
-    """A loaded, checked calibration profile."""
-
-    path: str
-    engine: str
-    coefficients: dict[str, float]
-    constant_bytes: float
-    fragmentation: dict[str, float] | None
-    summary: str
-
-    def stage_bytes(self, terms: dict[str, int]) -> float:
-        pt = peak_terms(terms)
-        alloc = sum(c * pt[k] for k, c in self.coefficients.items()) + self.constant_bytes
-        return alloc
-
-    def stage_reserved_bytes(self, terms: dict[str, int]) -> float | None:
-        """The calibrated reserved level of one stage (None when the profile has no fragmentation fit)."""
-        f = self.fragmentation
-        if not f:
-            return None
-        pt = peak_terms(terms)
-        alloc = self.stage_bytes(terms)
-        if "per_allocated_byte" in f:  # profiles of harness 0.1 before the fragmentation model
-            return alloc + alloc * f["per_allocated_byte"] + f["constant_bytes"]
-        states = sum(self.coefficients[k] * pt[k] for k in STATE_TERMS)
-        return alloc + frag.apply(f, transient=alloc - states, states=states)
-
-    def reserved_bytes(self, est: Estimate) -> int | None:
-        """The calibrated reserved peak: the profile's fragmentation over every stage, then the max."""
-        values = [self.stage_reserved_bytes(s.terms) for s in est.stages]
-        return None if values[0] is None else round(max(values))
-
-    def total_bytes(self, est: Estimate) -> int:
-        """The calibrated peak of a configuration: the profile applied to every stage, then the max."""
-        if est.engine != self.engine:
-            raise CalibrationError(
-                f"calibration {self.path} was fitted on engine={self.engine}; this estimate uses "
-                f"engine={est.engine} (set engine={self.engine})"
-            )
-        return round(max(self.stage_bytes(s.terms) for s in est.stages))
-
-
-def load_profile(path: str | Path) -> Profile:
-    """Read and check a profile: its format, version and feature names must be this harness's."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CalibrationError(f"calibration profile {path} does not exist") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CalibrationError(f"calibration profile {path} is not readable JSON: {exc}") from None
-    if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
-        raise CalibrationError(f"{path} is not a harness calibration profile (format != {PROFILE_FORMAT!r})")
-    if data.get("version") != PROFILE_VERSION:
-        raise CalibrationError(
-            f"calibration profile {path} has version {data.get('version')}; this harness ({__version__}) "
-            f"reads version {PROFILE_VERSION}: refit it with harness calibrate"
-        )
-    coefs = data.get("coefficients") or {}
-    unknown = sorted(set(coefs) - set(TERMS))
-    missing = sorted(set(TERMS) - set(coefs))
-    if unknown or missing or list(data.get("features", [])) != list(coefs):
-        raise CalibrationError(
-            f"calibration profile {path} was fitted on other feature names (unknown here: {unknown or 'none'}"
-            f"; missing: {missing or 'none'}): the estimator's terms changed, refit it with harness calibrate"
-        )
-    if data.get("engine") not in ENGINES_COMPARED:
-        raise CalibrationError(f"calibration profile {path} names an unknown engine {data.get('engine')!r}")
-    bad = [k for k, v in coefs.items() if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0)]
-    if bad:
-        raise CalibrationError(
-            f"calibration profile {path}: coefficients of {bad} are not finite numbers >= 0"
-        )
-    return Profile(
-        path=str(path),
-        engine=data["engine"],
-        coefficients={k: float(v) for k, v in coefs.items()},
-        constant_bytes=float(data.get("constant_bytes", 0.0)),
-        fragmentation=data.get("fragmentation"),
-        summary=str(data.get("summary", "")),
-    )
+def _torch_versions(data: Dataset) -> list[str]:
+    column = data.frame.get("env_torch_version")
+    return [] if column is None else sorted({str(v) for v in column.dropna()})
 
 
 # ------------------------------------------------------------------------------------------ step time

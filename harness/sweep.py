@@ -15,9 +15,17 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from harness import claims
 from harness.record import invalid_record
 from harness.specs import InvalidSpec, canonical, from_dict, spec_id
-from harness.store import existing_ids, record_path, write_record
+from harness.store import existing_ids, load_results, record_path, write_record
+
+# Never launched, pruning or not (issue 12: a point estimated at 854x its device was launched): an
+# estimate this many times the device's capacity. A wide margin: the committed CPU study's
+# out-of-memory runs reach 9.9x, and they stay measured.
+LAUNCH_LIMIT = 16.0
+HOST_LIMIT = 2.0  # CPU points: the ranks on one host together, against the host's RAM
+RETRYABLE = ("ok", "oom", "timeout", "crash", "invalid", "skipped_predicted_oom")
 
 
 def spec_of(cfg: dict[str, Any]):
@@ -28,20 +36,92 @@ def point_id(cfg: dict[str, Any]) -> str:
     return spec_id(spec_of(cfg))
 
 
+def run_timeout(cfg: dict[str, Any]) -> float:
+    """``run.timeout_s``: a finite number of seconds > 0 (inf would overflow the process group's)."""
+    try:
+        timeout_s = float(cfg["run"]["timeout_s"])
+    except (TypeError, ValueError):
+        raise ValueError(f"run.timeout_s={cfg['run']['timeout_s']!r} must be a number of seconds") from None
+    if not 0 < timeout_s < float("inf"):
+        raise ValueError(f"run.timeout_s={timeout_s} must be a finite number of seconds > 0")
+    return timeout_s
+
+
+def retry_statuses(cfg: dict[str, Any]) -> frozenset[str]:
+    """``sweep.retry``: the statuses whose rows are run again (a list, or ``timeout,crash``)."""
+    value = cfg.get("sweep", {}).get("retry") or []
+    items = value.split(",") if isinstance(value, str) else list(value)
+    statuses = frozenset(str(s).strip() for s in items if str(s).strip())
+    unknown = sorted(statuses - set(RETRYABLE))
+    if unknown:
+        raise SystemExit(
+            f"harness sweep: error: sweep.retry={','.join(sorted(statuses))}: unknown status "
+            f"{', '.join(unknown)} (one or more of {', '.join(RETRYABLE)})"
+        )
+    return statuses
+
+
+def done_statuses(results_dir: str) -> dict[str, str]:
+    """config_id -> status of every run of a directory (two columns read)."""
+    frame, _ = load_results(results_dir, columns=["config_id", "status"])
+    return dict(zip(frame["config_id"], frame["status"], strict=True)) if len(frame) else {}
+
+
+def host_memory_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def beyond_reach(spec, est, cfg: dict[str, Any]) -> str | None:
+    """Why a point must never be launched, whatever the pruning settings: its estimate exceeds the
+    device by LAUNCH_LIMIT, or (CPU, where ranks share the host's RAM) its ranks on one host exceed
+    the host's memory by HOST_LIMIT. None when it may be launched."""
+    if est.utilisation > LAUNCH_LIMIT:
+        return f"estimate {est.utilisation:.3g}× capacity > {LAUNCH_LIMIT:g}× (never launched)"
+    host = host_memory_bytes()
+    if spec.device.name == "cpu" and host:
+        per_node = cfg.get("sweep", {}).get("ranks_per_node")
+        ranks = min(spec.parallel.world, int(per_node)) if per_node else spec.parallel.world
+        need = est.total_bytes * ranks
+        if need > HOST_LIMIT * host:
+            return (
+                f"estimate {need / 2**30:.3g} GiB for the {ranks} ranks on one host, "
+                f"{need / host:.3g}× its {host / 2**30:.1f} GiB of RAM > {HOST_LIMIT:g}× (never launched)"
+            )
+    return None
+
+
 def triage(
-    points: list, configs: list[dict[str, Any]], *, write: bool = True
+    points: list, configs: list[dict[str, Any]], *, write: bool = True, token: str | None = None
 ) -> tuple[list[tuple[Any, dict]], str]:
     """Decide each composed point: launch it, or write its row now (invalid, predicted out of memory), or
-    skip it (a result exists). Returns the points to launch and a one-line summary. ``write=False``
-    (a dry run) decides the same and writes nothing."""
+    skip it (a result exists, or another live sweep holds it). Returns the points to launch and a
+    one-line summary. ``write=False`` (a dry run) decides the same and writes nothing. With ``token``
+    (a real sweep) each point to launch is claimed first (harness.claims)."""
     from harness.estimate import estimate
 
     launch, counts = [], Counter()
-    done_by_dir: dict[str, set[str]] = {}
+    done_by_dir: dict[str, dict[str, str] | set[str]] = {}
     seen: set[tuple[str, str]] = set()  # (results_dir, id) of the points of this grid
+    holders: Counter = Counter()
     for point, cfg in zip(points, configs, strict=True):
         results_dir = cfg["results_dir"]
-        done = done_by_dir.setdefault(results_dir, existing_ids(results_dir))
+        retry = retry_statuses(cfg)
+        try:
+            run_timeout(cfg)
+        except ValueError as exc:
+            raise SystemExit(f"harness sweep: error: {exc}") from None
+        if results_dir not in done_by_dir:
+            ids = existing_ids(results_dir, set_aside_unreadable=write)  # (unreadable rows: run again)
+            if retry:  # which statuses the done points have: two columns of every row read
+                ids = {i: st for i, st in done_statuses(results_dir).items() if i in ids}
+            done_by_dir[results_dir] = ids
+        done = done_by_dir[results_dir]
         try:
             spec = spec_of(cfg)
         except InvalidSpec as exc:  # an unknown key is the study file's mistake: stop, say which
@@ -51,7 +131,8 @@ def triage(
             counts["duplicates"] += 1
             continue
         seen.add((results_dir, cid))
-        if cid in done:
+        rerun = cid in done and isinstance(done, dict) and done[cid] in retry
+        if cid in done and not rerun:
             counts["already done"] += 1
             continue
         try:
@@ -62,23 +143,31 @@ def triage(
             counts["invalid (row written)"] += 1
             continue
         sweep = cfg.get("sweep", {})
-        if sweep.get("prune_predicted_oom"):
-            est = estimate(spec, engine="torch")
-            factor = float(sweep.get("prune_factor", 2.0))
-            if est.utilisation > factor:
-                row = invalid_record(
-                    spec, f"estimate {est.utilisation:.2f}× capacity > prune_factor {factor}"
-                )
-                row["status"] = "skipped_predicted_oom"
-                if write:
-                    write_record(_tag(row, cfg), results_dir)
-                counts["skipped, predicted out of memory (row written)"] += 1
+        est = estimate(spec, engine="torch")
+        factor = float(sweep.get("prune_factor", 2.0))
+        reason = beyond_reach(spec, est, cfg)
+        if reason is None and sweep.get("prune_predicted_oom") and est.utilisation > factor:
+            reason = f"estimate {est.utilisation:.2f}× capacity > prune_factor {factor}"
+        if reason is not None:
+            row = invalid_record(spec, reason)
+            row["status"] = "skipped_predicted_oom"
+            if write:
+                write_record(_tag(row, cfg), results_dir)
+            counts["skipped, predicted out of memory (row written)"] += 1
+            continue
+        if token is not None:
+            got, info = claims.try_claim(results_dir, cid, token)
+            if not got:
+                holders[claims.describe(info)] += 1
+                counts["held by another live sweep (skipped)"] += 1
                 continue
         launch.append((point, cfg))
-        counts["to launch"] += 1
+        counts["to rerun (sweep.retry)" if rerun else "to launch"] += 1
     order = (
         "to launch",
+        "to rerun (sweep.retry)",
         "already done",
+        "held by another live sweep (skipped)",
         "duplicates",
         "invalid (row written)",
         "skipped, predicted out of memory (row written)",
@@ -86,6 +175,12 @@ def triage(
     summary = f"harness sweep: {len(points)} points: " + ", ".join(
         f"{counts[k]} {k}" for k in order if counts[k]
     )
+    if holders:
+        summary += (
+            "\nharness sweep: another sweep is running "
+            + ", ".join(f"{n} of these points ({who})" for who, n in holders.most_common())
+            + "; run this sweep again once it ends to pick up any it leaves"
+        )
     if not write:
         summary = summary.replace("(row written)", "(row not written: dry run)")
     return launch, summary
@@ -163,25 +258,63 @@ def run_artifacts(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"trace_dir": Path(str(cfg["results_dir"])), "write_trace": trace, "memory_snapshot": snapshot}
 
 
-def run_job(cfg: dict[str, Any]) -> str:
-    """One sweep point: run it and write exactly one row, whatever happens (never raises).
+def _row_status(results_dir: str, cid: str) -> str | None:
+    """The status of the point's row file (None: no row file, or an unreadable one)."""
+    import pyarrow.parquet as pq
 
-    Under Slurm, USR2 (sent ``signal_delay_s`` before the time limit) and TERM interrupt the point:
-    its ranks are reaped and its row says ``timeout`` with the reason. (Left to submitit's own handler,
-    the signal would surface as an unrelated requeue error.) In a job of several tasks every task runs
-    its ranks and task 0 alone writes the row.
+    path = record_path(results_dir, cid)
+    if not path.exists():
+        return None
+    try:
+        return pq.read_table(path, columns=["status"]).column("status")[0].as_py()
+    except Exception:
+        return None
+
+
+def run_job(cfg: dict[str, Any]) -> str:
+    """One sweep point: claim it, run it and write exactly one row, whatever happens.
+
+    The point runs under its sweep's claim (``sweep.claim``, set by the sweeper; harness.claims): a
+    point another live sweep holds is not run, and the job says so. Under Slurm, USR2 (sent
+    ``signal_delay_s`` before the time limit) and TERM interrupt the point: its ranks are reaped and
+    its row says ``timeout`` with the reason. (Left to submitit's own handler, the signal would surface
+    as an unrelated requeue error.) In a job of several tasks every task runs its ranks and task 0
+    alone writes the row. A row that cannot be written (a full disk) stops the sweep with one line.
     """
     results_dir = cfg["results_dir"]
     cid = point_id(cfg)
-    if record_path(results_dir, cid).exists():  # a second line of defence against double runs
-        return "already done"
+    token = cfg.get("sweep", {}).get("claim") or claims.new_token()
+    retry = retry_statuses(cfg)
+    task = slurm_task(results_dir, cid)
+    if task is not None and task.index > 0:  # task 0 holds the claim; the others only look at it
+        other = claims.holder(results_dir, cid, token)
+        if other is not None:
+            return f"held by another sweep ({claims.describe(other)})"
+        return _run_claimed(cfg, cid, task)
+    got, info = claims.try_claim(results_dir, cid, token)
+    if not got:
+        print(
+            f"harness sweep: {cid} is being run by another sweep ({claims.describe(info)}): not run here",
+            flush=True,
+        )
+        return "held by another sweep"
+    try:
+        status = _row_status(results_dir, cid)
+        # a second line of defence against double runs (another sweep may have just finished it)
+        if record_path(results_dir, cid).exists() and status not in retry:
+            return "already done"
+        return _run_claimed(cfg, cid, task)
+    finally:
+        claims.release(results_dir, cid, token)
+
+
+def _run_claimed(cfg: dict[str, Any], cid: str, task) -> str:
+    results_dir = cfg["results_dir"]
     start = time.monotonic()
     previous = {}
     if os.environ.get("SLURM_JOB_ID"):
         previous = {s: signal.signal(s, _raise_slurm_signal) for s in (signal.SIGUSR2, signal.SIGTERM)}
-    task = None
     try:
-        task = slurm_task(results_dir, cid)
         from harness.runner.supervisor import run_point
 
         row = run_point(
@@ -206,9 +339,77 @@ def run_job(cfg: dict[str, Any]) -> str:
         shutil.rmtree(task.shared_dir, ignore_errors=True)  # the interrupted point's rank files
     row["config_id"] = cid
     row["finished_at"] = time.time()  # Unix time; gaps between points measure the sweep's overhead
-    write_record(_tag(row, cfg), results_dir)
+    try:
+        write_record(_tag(row, cfg), results_dir)
+    except OSError as exc:  # a full disk, a directory gone read-only: stop here, say it in one line
+        raise SystemExit(
+            f"harness sweep: error: cannot write the row of {cid} to {results_dir}: "
+            f"{exc.strerror or exc}; the sweep stops (every row written so far is whole: run it again "
+            "to resume once there is room)"
+        ) from None
     print(progress_line(results_dir, row, time.monotonic() - start), flush=True)
     return row["status"]
+
+
+def check_writable(results_dir: str) -> None:
+    """A results_dir a sweep can write to, or one line saying why not (before anything is launched)."""
+    root = Path(results_dir)
+    if root.exists() and not root.is_dir():
+        raise SystemExit(f"harness sweep: error: results_dir={results_dir} is a file, not a directory")
+    probe = root / f".harness-probe-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"x" * 4096)
+        probe.unlink()
+    except OSError as exc:
+        raise SystemExit(
+            f"harness sweep: error: results_dir={results_dir} is not writable: {exc.strerror or exc}"
+        ) from None
+
+
+def closing_summary(results_dir: str, planned: list[str]) -> str:
+    """The lines a sweep ends with (issue 16): counts by status of its points, the worst
+    predicted-vs-measured ratios, where the rows are, and the next commands."""
+    frame, bad = load_results(results_dir)
+    lines = []
+    if len(frame) and "config_id" in frame:
+        mine = frame[frame["config_id"].isin(set(planned))]
+        counts = Counter(mine["status"]) if "status" in mine else Counter()
+        missing = len(set(planned)) - len(mine)
+        lines.append(
+            f"harness sweep: done: {len(set(planned))} points: "
+            + ", ".join(f"{s} {n}" for s, n in counts.most_common())
+            + (f", {missing} without a row (run the sweep again to resume)" if missing else "")
+        )
+        if {"peak_allocated_bytes", "est_total_bytes"} <= set(mine.columns):
+            ok = mine[(mine["status"] == "ok") & (mine["peak_allocated_bytes"] > 0)]
+            ratio = ok["est_total_bytes"] / ok["peak_allocated_bytes"]
+            worst = ratio.apply(lambda r: max(r, 1 / r)).sort_values(ascending=False).index[:3]
+            if len(worst):
+                lines.append(
+                    "harness sweep: worst predicted/measured peak (torch engine): "
+                    + ", ".join(f"{ratio[i]:.2f} ({_layout(mine.loc[i])})" for i in worst)
+                )
+    for line in bad:
+        lines.append(f"harness sweep: unreadable: {line}")
+    at = f"results_dir={results_dir}"
+    lines.append(f"harness sweep: one row per point in {results_dir}; next:")
+    lines.append(
+        f"  harness results status {at}   (counts)   harness results compact {at}   (one dataset.parquet)"
+    )
+    lines.append(f"  harness calibrate {at}   (fit, safe threshold)   harness report {at}   (figures)")
+    return "\n".join(lines)
+
+
+def _layout(row) -> str:
+    return (
+        " ".join(
+            f"{k[9:]}={row[k]}"
+            for k in ("parallel_dp", "parallel_tp", "parallel_pp", "parallel_cp")
+            if k in row
+        )
+        + f" zero={row.get('parallel_zero_stage')}"
+    )
 
 
 PLAN_FILE = ".sweep-plan.json"
@@ -225,15 +426,15 @@ def start_progress(results_dir: str, *, name: str, launched: int, planned: list[
     (root / DONE_FILE).write_text("")
 
 
-def what_is_left(results_dir: str) -> str | None:
+def what_is_left(results_dir: str, ids: set[str] | None = None) -> str | None:
     """``sweep cpu_smoke: 8 points, 6 with a row, 2 left`` for the last sweep started in the directory
-    (None when no sweep was started there)."""
+    (None when no sweep was started there). ``ids``: the runs already read (else they are read)."""
     try:
         plan = json.loads((Path(results_dir) / PLAN_FILE).read_text())
     except (OSError, ValueError):
         return None
     planned = set(plan.get("planned", []))
-    done = planned & existing_ids(results_dir)
+    done = planned & (existing_ids(results_dir) if ids is None else ids)
     left = len(planned) - len(done)
     return f"sweep {plan['name']}: {len(planned)} points, {len(done)} with a row, {left} left"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -13,10 +14,21 @@ from harness.specs import InvalidSpec
 
 
 def _output_settings(cfg: dict) -> tuple[str, float]:
-    """``format`` and ``threshold``, checked."""
+    """``format`` and ``threshold``, checked; ``threshold=profile`` is the calibration profile's
+    learned safe threshold."""
     fmt = cfg["format"]
     if fmt not in ("table", "json"):
         raise ValueError(f"format={fmt!r} must be table or json")
+    if cfg["threshold"] == "profile":
+        profile = _profile(cfg)
+        if profile is None:
+            raise ValueError("threshold=profile needs calibration=PATH (the profile whose threshold to use)")
+        if profile.safe_threshold is None:
+            raise ValueError(
+                f"threshold=profile: {profile.path} learned no safe threshold (no run of its fit ran out "
+                "of memory); give threshold=<fraction>"
+            )
+        return fmt, profile.safe_threshold
     try:
         threshold = float(cfg["threshold"])
     except (TypeError, ValueError):
@@ -78,9 +90,19 @@ def _profile(cfg: dict):
     """The calibration profile named by ``calibration=`` (None when unset)."""
     if not cfg.get("calibration"):
         return None
-    from harness.calibrate import load_profile
+    from harness.profile import load_profile  # no scikit-learn: applying a profile is arithmetic
 
-    return load_profile(cfg["calibration"])
+    profile = load_profile(cfg["calibration"])
+    warning = profile.outside(run_spec(cfg))
+    if warning:
+        _warn_once(f"harness: warning: {warning}")
+    return profile
+
+
+@functools.cache
+def _warn_once(line: str) -> None:
+    """(threshold=profile loads the profile a second time: one warning still)"""
+    print(line, file=sys.stderr)
 
 
 def _step_time(cfg: dict):
@@ -113,6 +135,8 @@ def _plan(overrides: Sequence[str]) -> int:
         calibration=_profile(cfg),
         step_time=_step_time(cfg),
     )
+    if int(p["top"]) < 1:
+        raise ValueError(f"plan.top={p['top']} must be >= 1 (rows printed)")
     if p.get("emit"):  # a path Hydra could not find as a study fails before the work, not after
         from harness.cli.config import config_dir
         from harness.cli.emit import study_target
@@ -180,14 +204,12 @@ def _run(overrides: Sequence[str]) -> int:
     from harness.cli.render import record_json, record_table
     from harness.runner.supervisor import run_point
     from harness.specs import spec_id
-    from harness.sweep import run_artifacts, slurm_task
+    from harness.sweep import run_artifacts, run_timeout, slurm_task
 
     cfg = compose(overrides)
     fmt, _ = _output_settings(cfg)
     fail_on = fail_statuses(cfg["run"].get("fail_on"))
-    timeout_s = float(cfg["run"]["timeout_s"])
-    if not timeout_s > 0:
-        raise ValueError(f"run.timeout_s={timeout_s} must be > 0")
+    timeout_s = run_timeout(cfg)
     # Unknown or missing keys are a usage error (one line, exit 2); an impossible layout is a record.
     spec = run_spec(cfg)
     # Under `srun --nodes=N` (or several tasks of one node) each task forks its block of the ranks,
@@ -247,7 +269,8 @@ def _results(args: Sequence[str]) -> int:
             f"{root}: {len(frame)} runs: "
             + (", ".join(f"{s} {n}" for s, n in counts.most_common()) or "none")
         )
-        for line in (what_is_left(root), leftover_points(root)):
+        ids = set(frame["config_id"]) if "config_id" in frame else set()
+        for line in (what_is_left(root, ids), leftover_points(root)):
             if line:
                 print(line)
     for line in bad:

@@ -5,6 +5,41 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+# Hydra's own log lines ("Launching 8 jobs locally", one per job) interleave with the sweep's progress
+# lines (issue 16): quiet unless the command line chooses a hydra/hydra_logging itself.
+QUIET = "hydra/hydra_logging=disabled"
+
+
+def retry_as_list(override: str) -> str:
+    """``sweep.retry=timeout,crash`` is one list, not a Hydra sweep over two values (which would run
+    each point once per value, the second time as a duplicate)."""
+    key, sep, value = override.partition("=")
+    if sep and key.lstrip("+") == "sweep.retry" and value and not value.startswith("["):
+        return f"{key}=[{value}]"
+    return override
+
+
+def check_overrides(overrides: Sequence[str]) -> None:
+    """Compose the sweep's first point before Hydra runs: a bad key or value is one line (ConfigError,
+    exit 2) instead of Hydra's several (issue 12)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    from harness.cli.config import ConfigError, compose
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException as exc:
+        raise ConfigError(" ".join(str(exc).split())) from None
+    first = []
+    for o in parsed:
+        if o.is_sweep_override():
+            values = list(o.sweep_string_iterator())
+            first.append(f"{o.get_key_element()}={values[0]}" if values else o.input_line)
+        else:
+            first.append(o.input_line)
+    compose(first)
+
 
 def sweep(overrides: Sequence[str]) -> int:
     import hydra
@@ -20,10 +55,19 @@ def sweep(overrides: Sequence[str]) -> int:
         )
         return run_job(plain)
 
+    overrides = [retry_as_list(o) for o in overrides]
+    check_overrides(overrides)
+    quiet = [] if any(o.lstrip("+~").startswith("hydra/hydra_logging=") for o in overrides) else [QUIET]
     argv = sys.argv
-    sys.argv = ["harness sweep", "--multirun", *overrides]  # hydra.main reads its arguments from argv
+    sys.argv = ["harness sweep", "--multirun", *quiet, *overrides]  # hydra.main reads its arguments from argv
     try:
         task()
+    except SystemExit as exc:
+        if isinstance(exc.code, str):  # the sweep's own one-line errors: exit 2 like every usage error
+            print(exc.code, file=sys.stderr)
+            return 2
+        if exc.code not in (None, 0):  # Hydra has printed its error (a bad override): a usage error
+            return 2
     finally:
         sys.argv = argv
     return 0

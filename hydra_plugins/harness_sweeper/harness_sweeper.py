@@ -51,10 +51,23 @@ class HarnessSweeper(BasicSweeper):
         self.grids = grids
         self.arguments: list[str] = []
         self.nodes: dict[tuple[str, ...], int | None] = {}  # a launched point -> its node count
+        self.token = ""  # this sweep's claims (harness.claims)
+        self.results_dir: str | None = None
+        self.planned: list[str] = []
 
     def sweep(self, arguments):
+        from harness import claims
+        from harness.sweep import closing_summary
+
         self.arguments = list(arguments)
-        return super().sweep(arguments)
+        self.token = claims.new_token()
+        try:
+            returns = super().sweep(arguments)
+        finally:  # points claimed and never run (a lost job, an interruption) are free again
+            claims.release_all(self.token)
+        if self.results_dir is not None and self.planned:
+            print(closing_summary(self.results_dir, self.planned), flush=True)
+        return returns
 
     def setup(self, *, hydra_context, task_function, config) -> None:
         super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
@@ -65,7 +78,13 @@ class HarnessSweeper(BasicSweeper):
         each one once more here, ~0.2 s a point on 2 cores, only to check that it composes)."""
 
     def split_arguments(self, overrides, max_batch_size):  # type: ignore[override]
-        from harness.sweep import nodes_for, point_id, start_progress, triage
+        try:
+            return self._split_arguments(overrides, max_batch_size)
+        except OSError as exc:  # a full disk or a read-only results_dir: one line, nothing launched
+            raise SystemExit(f"harness sweep: error: {exc.strerror or exc}: {exc.filename or ''}") from None
+
+    def _split_arguments(self, overrides, max_batch_size):
+        from harness.sweep import check_writable, nodes_for, point_id, start_progress, triage
 
         points = [
             p for o in self._grid_overrides(overrides) for p in BasicSweeper.split_arguments(o, None)[0]
@@ -78,8 +97,13 @@ class HarnessSweeper(BasicSweeper):
             )
             configs.append(plain)
         dry_run = bool(configs and configs[0]["sweep"].get("dry_run"))
-        launch, summary = triage(points, configs, write=not dry_run)
+        if not dry_run:
+            for results_dir in sorted({c["results_dir"] for c in configs}):
+                check_writable(results_dir)
+        launch, summary = triage(points, configs, write=not dry_run, token=None if dry_run else self.token)
         print(summary, flush=True)
+        # Each job runs under its sweep's claim: the token travels as an override (to a Slurm node too).
+        launch = [([*p, f"++sweep.claim={self.token}"], cfg) for p, cfg in launch]
         self.nodes.update({tuple(p): nodes_for(cfg) for p, cfg in launch})
         by_nodes = Counter(self.nodes[tuple(p)] for p, _ in launch)
         if any(by_nodes):  # sweep.ranks_per_node is set: say what the cluster will be asked for
@@ -95,6 +119,8 @@ class HarnessSweeper(BasicSweeper):
             return []
         keep = [p for p, _ in launch]
         if configs:
+            self.results_dir = configs[0]["results_dir"]
+            self.planned = sorted({point_id(c) for c in configs})
             start_progress(
                 configs[0]["results_dir"],
                 name=configs[0]["sweep"]["name"],
