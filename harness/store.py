@@ -150,13 +150,13 @@ def _read(path: Path, columns: list[str] | None) -> tuple[pa.Table, pa.Schema]:
     """The file's table (only ``columns`` and the required ones, when given) and its schema. Only
     the columns read are checked for clashes: ``results status`` reads two of ~100 (issue 12: it
     took 25 s over 5,000 row files), and the readers of every column check every column."""
-    pf = pq.ParquetFile(path)
-    names = set(pf.schema.names)  # the parquet schema's leaves: no arrow schema built (half the time)
-    missing = [c for c in REQUIRED if c not in names]
+    # ParquetFile.read skips the columns a file lacks. No schema of the whole file is asked for:
+    # building it costs as much as the read (arrow's), or five times the memory (parquet's).
+    wanted = None if columns is None else list(dict.fromkeys([*REQUIRED, *columns]))
+    table = pq.ParquetFile(path).read(columns=wanted, use_threads=False)
+    missing = [c for c in REQUIRED if c not in table.column_names]
     if missing:
         raise ValueError(f"not a harness row file (no {' or '.join(missing)} column); skipped")
-    wanted = None if columns is None else [c for c in dict.fromkeys([*REQUIRED, *columns]) if c in names]
-    table = pf.read(columns=wanted, use_threads=False)
     for name in REQUIRED:
         kind = table.schema.field(name).type
         if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)):
