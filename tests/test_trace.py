@@ -59,3 +59,27 @@ def test_step_trace_frees_a_start_block_whose_address_is_reused():
         ("alloc", 0x10, 50),
     ]
     assert replay(events).peak_allocated_bytes == 1024  # 100 B and 30 B blocks of 512 B each
+
+
+def test_memory_snapshot_files_are_named_per_rank_and_moment(tmp_path, monkeypatch):
+    """run.memory_snapshot (CUDA only; no GPU here): the worker dumps PyTorch's snapshot per rank after
+    the measured steps ("peak") and at an out-of-memory ("oom"), named after the point, into
+    results_dir; the sweep and run pass the directory only when asked."""
+    import torch
+
+    from harness.runner.worker import _Artifacts
+    from harness.specs import spec_id
+    from harness.sweep import run_artifacts
+
+    dumped = []
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: dumped.append(path))
+    s = spec("tiny")
+    art = _Artifacts(s, 3, None, tmp_path, True)
+    peak, oom = art.dump_snapshot("peak"), art.dump_snapshot("oom")
+    assert peak == str(tmp_path / f"{spec_id(s)}.rank3.peak.snapshot.pickle")
+    assert oom == str(tmp_path / f"{spec_id(s)}.rank3.oom.snapshot.pickle")
+    assert dumped == [peak, oom]
+    assert _Artifacts(s, 0, None, tmp_path, False).dump_snapshot("peak") is None  # not asked: nothing
+    cfg = {"results_dir": str(tmp_path), "run": {"trace": False, "memory_snapshot": True}}
+    assert run_artifacts(cfg) == {"trace_dir": tmp_path, "write_trace": False, "memory_snapshot": True}
+    assert run_artifacts({"results_dir": "x", "run": {"trace": False, "memory_snapshot": False}}) == {}
