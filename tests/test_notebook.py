@@ -19,15 +19,7 @@ def test_analysis_notebook_runs_on_the_fixture(tmp_path):
         HARNESS_NOTEBOOK_OUT=str(tmp_path),
         MPLBACKEND="Agg",
     )
-    res = subprocess.run(
-        [sys.executable, str(ROOT / "notebooks" / "analysis.py")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
+    res = _run_notebook(env)
     assert "unreadable files: none" in res.stdout and "calibrated:" in res.stdout
     # as a script it prints the ten worst points (a table's last expression shows only in Jupyter)
     worst = res.stdout.split("the ten largest errors of the raw torch engine")[1]
@@ -63,6 +55,19 @@ def test_analysis_notebook_shows_figures_inline_under_ipython(tmp_path):
         MPLBACKEND="Agg",
         PYTHONPATH=str(tmp_path / "fake"),
     )
+    res = _run_notebook(env)
+    shown = [ln for ln in res.stdout.splitlines() if ln.startswith("DISPLAY Image")]
+    assert [Path(ln.split()[-1]).stem for ln in shown] == [
+        "predicted_vs_measured",
+        "utilisation_vs_outcome",
+        "residuals_by_term",
+        "throughput_tp_pp",
+    ]
+    assert "DISPLAY DataFrame" in res.stdout and "torch_error" not in res.stdout  # shown, not printed
+
+
+def _run_notebook(env: dict) -> subprocess.CompletedProcess:
+    """The notebook run as a script with ``env``; it must succeed."""
     res = subprocess.run(
         [sys.executable, str(ROOT / "notebooks" / "analysis.py")],
         capture_output=True,
@@ -72,11 +77,4 @@ def test_analysis_notebook_shows_figures_inline_under_ipython(tmp_path):
         check=False,
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    shown = [ln for ln in res.stdout.splitlines() if ln.startswith("DISPLAY Image")]
-    assert [Path(ln.split()[-1]).stem for ln in shown] == [
-        "predicted_vs_measured",
-        "utilisation_vs_outcome",
-        "residuals_by_term",
-        "throughput_tp_pp",
-    ]
-    assert "DISPLAY DataFrame" in res.stdout and "torch_error" not in res.stdout  # shown, not printed
+    return res

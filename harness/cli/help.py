@@ -116,6 +116,19 @@ class Command(NamedTuple):
     examples: tuple[str, ...]
 
 
+# The keys estimate reads (plan reads these and plan.*).
+ESTIMATE_KEYS = (
+    "model.",
+    "parallel.",
+    "train.",
+    "device.",
+    "engine.",
+    "format",
+    "threshold",
+    "calibration",
+    "explain",
+)
+
 COMMAND_HELP: dict[str, Command] = {
     "estimate": Command(
         "analytical per-rank memory and FLOPs of one configuration, term by term, with a verdict",
@@ -123,17 +136,7 @@ COMMAND_HELP: dict[str, Command] = {
         "whether it fits under threshold. A GPU-scale model (a published preset or model.hf_config) is "
         "judged on device=h100_94gb with train=paper (the published study's) unless device= or train= "
         "is named.",
-        (
-            "model.",
-            "parallel.",
-            "train.",
-            "device.",
-            "engine.",
-            "format",
-            "threshold",
-            "calibration",
-            "explain",
-        ),
+        ESTIMATE_KEYS,
         ("model", "parallel", "train", "device", "engine"),
         (
             "harness estimate model=llama3_8b parallel.tp=2 parallel.pp=2 parallel.dp=2 train.seq_len=8192",
@@ -147,18 +150,7 @@ COMMAND_HELP: dict[str, Command] = {
         "which some layout fits; max_micro_batch / max_seq_len: the largest micro-batch / sequence that "
         "fits the layout given by parallel.*. plan.emit=DIR/study/NAME.yaml writes the top fitting "
         "layouts as a study that harness sweep runs as it is. GPU-scale defaults as for estimate.",
-        (
-            "model.",
-            "parallel.",
-            "train.",
-            "device.",
-            "engine.",
-            "format",
-            "threshold",
-            "calibration",
-            "explain",
-            "plan.",
-        ),
+        (*ESTIMATE_KEYS, "plan."),
         ("model", "parallel", "train", "device", "engine"),
         (
             "harness plan model=llama3_70b device=h100_80gb plan.gpus=64",

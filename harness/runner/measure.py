@@ -70,18 +70,17 @@ def _optimizers(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]
     return [optimizer, local] if isinstance(local, torch.optim.Optimizer) else [optimizer]
 
 
-def _untracked_live_tensors(tracker: Any, device: torch.device) -> list[torch.Tensor]:
-    """One tensor per live storage on ``device`` that ``tracker`` does not know yet (DTensors by their
-    local shard), found through the garbage collector: what an allocator-level count would include.
-    Fake tensors count too: in a dry run they stand for the real rank's storages (pipeline buffers made
-    in the warm-up step)."""
+def _live_device_tensors(device: torch.device) -> Iterator[torch.Tensor]:
+    """One tensor per live storage on ``device`` that Python can reach (DTensors by their local shard),
+    found through the garbage collector, in its order (roughly creation order). Fake tensors count too:
+    in a dry run they stand for the real rank's storages (pipeline buffers made in the warm-up step)."""
     import gc
 
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.distributed.tensor import DTensor
 
     gc.collect()
-    known, seen, found = tracker._WINFO, set(), []
+    seen = set()
     for obj in gc.get_objects():
         if not issubclass(type(obj), torch.Tensor):  # (isinstance would wake deprecated module proxies)
             continue
@@ -91,11 +90,17 @@ def _untracked_live_tensors(tracker: Any, device: torch.device) -> list[torch.Te
         if t.device != device or t.is_meta:
             continue
         st = t.untyped_storage()
-        if st.nbytes() == 0 or st in known or st.data_ptr() in seen:
+        if st.nbytes() == 0 or st.data_ptr() in seen:
             continue
         seen.add(st.data_ptr())
-        found.append(t)
-    return found
+        yield t
+
+
+def _untracked_live_tensors(tracker: Any, device: torch.device) -> list[torch.Tensor]:
+    """The live storages' tensors on ``device`` that ``tracker`` does not know yet: what an
+    allocator-level count would include."""
+    known = tracker._WINFO
+    return [t for t in _live_device_tensors(device) if t.untyped_storage() not in known]
 
 
 # The CUDA stream an allocation would be made on, where the runner knows it: FSDP2 allocates its
@@ -177,30 +182,10 @@ def _trace_event(action: str, addr: int, size: int, stream: int, time_ns: int = 
 
 
 def live_storages(device: torch.device) -> list[tuple[int, int]]:
-    """(address, bytes) of every tensor storage alive on ``device`` that Python can reach (DTensors by
-    their local shard, fake tensors included), in the garbage collector's order (roughly creation order)."""
-    import gc
-
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch.distributed.tensor import DTensor
-
-    gc.collect()
-    seen, out = set(), []
-    for obj in gc.get_objects():
-        if not issubclass(type(obj), torch.Tensor):
-            continue
-        t = obj._local_tensor if isinstance(obj, DTensor) else obj
-        if not (type(t) in (torch.Tensor, nn.Parameter) or isinstance(t, FakeTensor)):
-            continue
-        if t.device != device or t.is_meta:
-            continue
-        st = t.untyped_storage()
-        ptr = st.data_ptr()
-        if st.nbytes() == 0 or ptr in seen:
-            continue
-        seen.add(ptr)
-        out.append((ptr, st.nbytes()))
-    return out
+    """(address, bytes) of every tensor storage alive on ``device`` that Python can reach."""
+    return [
+        (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in _live_device_tensors(device)
+    ]
 
 
 class PeakMemory:
