@@ -50,8 +50,25 @@ def layout_label(r: pd.Series) -> str:
     return (
         f"dp{int(r['parallel_dp'])} tp{int(r['parallel_tp'])}{sp} {pp} cp{int(r['parallel_cp'])} "
         f"zero{int(r['parallel_zero_stage'])} mbs{int(r['train_micro_batch_size'])} "
-        f"rc={r['train_recompute']}"
+        f"rc={r['train_recompute']}" + _extras(r)
     )
+
+
+def _extras(r: pd.Series) -> str:
+    """What the second round's grids vary, shown only where it differs from the default: every N-th
+    layer recomputed, tied embeddings, the attention kernel, the micro-batch count."""
+    out = ""
+    every = r.get("train_recompute_every")
+    if every is not None and every == every and int(every) > 1:
+        out += f"/{int(every)}"
+    if bool(r.get("model_tie_embeddings", False)):
+        out += " tied"
+    if r.get("train_attention", "flash") not in ("flash", None):
+        out += f" attn={r['train_attention']}"
+    m = r.get("train_num_microbatches")
+    if m is not None and m == m and int(m) > max(1, int(r["parallel_pp"])):
+        out += f" m{int(m)}"
+    return out
 
 
 def status_section(frame: pd.DataFrame) -> list[str]:

@@ -1,7 +1,8 @@
 """Print the CPU study's figures that README.md quotes beyond report.md: total run time, the best
-throughput per rank of the runs using each axis, by model and world size (GFLOP/s), and the runs the
-torch engine under-predicts most.
-Run: python scripts/study_facts.py [results/cpu_study/dataset.parquet]
+throughput per rank of the runs using each axis, by model and world size (GFLOP/s), the runs the
+torch engine under-predicts most, the share within 2 % under-prediction (issue 15's goal), and, where
+the rows carry them, the replayed reserved peaks (sim_peak_reserved_bytes) against the allocated ones.
+Run: python scripts/study_facts.py [results/cpu_study/dataset.parquet | a results_dir]
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ from harness.report import layout_label
 
 def main() -> None:
     path = sys.argv[1] if len(sys.argv) > 1 else "results/cpu_study/dataset.parquet"
-    f = pd.read_parquet(path)
+    if path.endswith(".parquet"):
+        f = pd.read_parquet(path)
+    else:
+        from harness.store import load_results
+
+        f, _ = load_results(path)
     print(f"{len(f)} rows; run time {f['wall_s'].sum() / 60:.0f} min (sum of wall_s)")
     print(f"memory_method: {f['memory_method'].value_counts().to_dict()}")
     ok = f[f["status"] == "ok"]
@@ -32,9 +38,22 @@ def main() -> None:
     measured = data.frame["peak_allocated_bytes"].to_numpy(dtype=float)
     error = (data.raw_bytes["torch"] - measured) / measured
     print("most under-predicted by the torch engine: error, measured MiB, model, layout")
-    for i in error.argsort()[:6]:
+    m = data.measured
+    for i in [i for i in error.argsort() if m[i]][:8]:
         row = data.frame.iloc[i]
         print(f"{error[i]:+7.1%} {measured[i] / 2**20:8.1f}  {row['model_name']:<6} {layout_label(row)}")
+    under = -error[m]
+    print(
+        f"under-prediction: {(under <= 0.02).mean():.1%} of {int(m.sum())} measured runs within 2 %, "
+        f"{(under > 0.05).sum()} worse than 5 %, worst {under.max():.1%}"
+    )
+    if "sim_peak_reserved_bytes" in data.frame:
+        sim = data.frame["sim_peak_reserved_bytes"].to_numpy(dtype=float)
+        ratio = (sim / measured)[m & (sim > 0)]
+        print(
+            f"replayed reserved / measured allocated: median {pd.Series(ratio).median():.3f}, "
+            f"p95 {pd.Series(ratio).quantile(0.95):.3f} ({len(ratio)} runs)"
+        )
 
 
 if __name__ == "__main__":
