@@ -66,15 +66,18 @@ def test_context_parallel():
 
 
 def test_math_attention_adds_scores_and_selective_recompute_drops_them():
-    # score + softmax: 2·a·s²·b = 2·4·65,536·2 = 1,048,576 elements = 2,097,152 B more.
-    assert layer(train_attention="math") == TORCH_LAYER + 2_097_152
+    # softmax a·s²·b = 4·65,536·2 = 524,288 elements, and K and V repeated to 4 heads from 2:
+    # 2·sbh·(1 − 2/4) = 65,536; 589,824 elements = 1,179,648 B more (issue 15: measured on the runner
+    # now that it runs the math kernel: the scores before the softmax are not kept).
+    assert layer(train_attention="math") == TORCH_LAYER + 1_179_648
     assert layer(train_attention="math", train_recompute="selective") == TORCH_LAYER
     # … but one layer's scores come back while its attention core is recomputed in backward.
     sel = spec("tiny", **BASE, train_attention="math", train_recompute="selective")
     stage = act.stage_layer_activations(sel.model, sel.parallel, sel.train, stage=0, engine="torch")
-    assert stage == 4 * TORCH_LAYER + 2_097_152
-    # With CP = 2 each rank holds (s/c)·s scores per head: half.
-    assert layer("megatron", train_attention="math", parallel_cp=2) == (2_359_296 + 2_097_152) // 2
+    assert stage == 4 * TORCH_LAYER + 1_179_648
+    # With CP = 2 each rank holds (s/c)·s of the softmax per head and half the repeated K, V (megatron
+    # shards K and V by c): everything halves.
+    assert layer("megatron", train_attention="math", parallel_cp=2) == (2_359_296 + 1_179_648) // 2
 
 
 def test_full_recompute_keeps_layer_inputs_plus_one_layer():
@@ -181,3 +184,47 @@ def test_torch_pipeline_receive_buffers_per_virtual_stage():
     s = replace(s, parallel_pp_schedule="interleaved_1f1b", parallel_virtual_stages=2)
     m, p, t = s.model, s.parallel, s.train
     assert [buf.pp_p2p(m, p, t, stage=i, engine="torch") for i in (0, 1)] == [24 * one, 24 * one]
+
+
+def test_op_policy_keeps_its_save_list():
+    # torchtitan's op policy (issue 15), measured on one tiny block: input sbh 65,536 + wq's output
+    # sbh 65,536 + wv's sbh·k/a 32,768 + the flash output sbh 65,536 + w1's sbf 180,224 + w2's sbh
+    # 65,536 = 475,136 elements · 2 B = 950,272 B.
+    assert layer(train_recompute="op") == 950_272
+    # The math kernel is not one op: its output is recomputed, 65,536 elements fewer.
+    assert layer(train_recompute="op", train_attention="math") == 950_272 - 131_072
+    # tp 2 with SP: input, wq, wv, attention output and w1 halve (32,768 + 32,768 + 16,384 + 32,768 +
+    # 90,112); w2's row-parallel output is the un-reduced full width (65,536); the two reduce-scatter
+    # outputs 2·32,768: 335,872 elements = 671,744 B.
+    assert layer(train_recompute="op", parallel_tp=2) == 671_744
+    # Backward replays one block: its full activations less what was kept, plus its output (sbh):
+    # 2,621,440 − 950,272 + 131,072 = 1,802,240 B.
+    s = spec("tiny", **BASE, train_recompute="op")
+    m, p, t = s.model, s.parallel, s.train
+    assert act.recompute_working_set(m, p, t, engine="torch") == 1_802_240
+    assert act.stage_layer_activations(m, p, t, stage=0, engine="torch") == 4 * 950_272 + 1_802_240
+
+
+def test_full_recompute_every_nth_block():
+    # tiny has 4 blocks; recompute_every 2 checkpoints the 2nd and 4th: 2 inputs (131,072 B each) and
+    # 2 full layers (2,621,440 B each), plus the 4th's recomputation (2,621,440 − 131,072).
+    s = spec("tiny", **BASE, train_recompute="full", train_recompute_every=2)
+    m, p, t = s.model, s.parallel, s.train
+    assert act.checkpointed_layers(m, p, t) == 2
+    stage = act.stage_layer_activations(m, p, t, stage=0, engine="torch")
+    assert stage == 2 * 131_072 + 2 * 2_621_440 + 2_490_368
+    # Every 3rd: only the 3rd block is checkpointed; the 4th keeps everything, and backward frees it
+    # before it recomputes the 3rd, so no working set is added: 131,072 + 3 · 2,621,440.
+    s3 = replace(s, train_recompute_every=3)
+    assert act.stage_layer_activations(s3.model, s3.parallel, s3.train, stage=0, engine="torch") == (
+        131_072 + 3 * 2_621_440
+    )
+    # Every 8th of 4: none checkpointed, as without recomputation.
+    s8 = replace(s, train_recompute_every=8)
+    none = replace(s, train_recompute="none")
+    assert act.stage_layer_activations(s8.model, s8.parallel, s8.train, stage=0, engine="torch") == (
+        act.stage_layer_activations(none.model, none.parallel, none.train, stage=0, engine="torch")
+    )
+    # Under pp 2 each stage's chunk of 2 blocks is counted on its own: 1 checkpointed per chunk.
+    pp = replace(s, parallel_pp=2, train_num_microbatches=2)
+    assert act.checkpointed_layers(pp.model, pp.parallel, pp.train) == 1

@@ -10,9 +10,11 @@ any sharding (Korthikanti et al. 2022, arXiv 2205.05198, §4, adapted: no dropou
   K and V                       2·sbh·k/a
   MLP input                       sbh
   gate, up, silu(gate), product 4·sbf
-  scores + softmax (math only)  2·a·s²·b
+  softmax (math only)             a·s²·b, and K, V repeated to a heads: 2·sbh·(1 − k/a)
 
-which at e = 2 is the ESTIMATOR's s·b·h·(12 + 4k/a + 8f/h) (Llama-3-8B: 41.0) plus 4as²b. Worked
+which at e = 2 is the ESTIMATOR's s·b·h·(12 + 4k/a + 8f/h) (Llama-3-8B: 41.0) plus 2as²b (the
+softmax output, Korthikanti's 5as²b without dropout's 3as²b; issue 15: the runner now runs the math
+kernel, which showed that the scores before the softmax are not kept). Worked
 example, model ``tiny`` (h 128, a 4, k 2, f 352), s 256, b 2, BF16, t = c = 1: sbh = 65,536 elements;
 norms 131,072 + input 65,536 + Q/out 131,072 + K/V 65,536 + MLP input 65,536 + 4·sbf 720,896
 = 1,179,648 elements = 2,359,296 B (= sbh·e·(12 + 4·0.5 + 8·2.75)/2 = 65,536·2·18).
@@ -28,7 +30,7 @@ Sharding by tensor (t) and context (c) parallelism:
   gradient) beside the input: 2·sbh per norm, 4·sbh per layer (found with saved-tensor hooks on the
   ``small`` model: 9.89 MiB per layer at s 512, b 1, FP32, 1.02 MiB above the 2·sbh count; fused
   RMSNorm kernels such as Apex's, which Megatron uses, keep the input and 1/rms only).
-- Scores (math attention): (s/c)·s per head, a/t heads.
+- Softmax (math attention): (s/c)·s per head, a/t heads.
 """
 
 from __future__ import annotations
@@ -50,10 +52,16 @@ def norm_tensors(engine: str) -> int:
 def layer_activation_bytes(
     m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, engine: str, recompute: str | None = None
 ) -> int:
-    """Bytes one layer keeps for backward for one micro-batch on one rank (before recomputation, unless
-    ``recompute`` is given: "selective" drops the score matrices — Korthikanti's selective recomputation
-    of the attention core, which with flash attention saves only its tiny log-sum-exp, left out here)."""
+    """Bytes one layer keeps for backward for one micro-batch on one rank, under ``recompute`` (default
+    ``t.recompute``): "none" (and the blocks that full recomputation with ``recompute_every`` > 1 leaves
+    alone) keeps everything; "selective" drops the attention kernel's extra tensors — Korthikanti's
+    selective recomputation of the attention core, which with flash attention saves only its tiny
+    log-sum-exp, left out here; "op" keeps what torchtitan's op policy saves (:func:`op_layer_bytes`)."""
     recompute = t.recompute if recompute is None else recompute
+    if recompute == "full":
+        recompute = "none"
+    if recompute == "op":
+        return op_layer_bytes(m, p, t)
     s, b, h, f = t.seq_len, t.micro_batch_size, m.hidden_size, m.ffn_hidden_size
     sbh = s * b * h
     tc = p.tp * p.cp
@@ -63,19 +71,62 @@ def layer_activation_bytes(
     inputs = 2 * sbh // inputs_div  # attention input + MLP input
     q_out = 2 * sbh // tc
     kv_elems = 2 * sbh // m.num_heads * m.num_kv_heads
-    kv = kv_elems // (p.tp if engine == "torch" else tc)
-    mlp = 4 * s * b * f // tc
-    scores = 0
+    kv_div = p.tp if engine == "torch" else tc
+    kv = kv_elems // kv_div
+    math = 0
     if t.attention == "math" and recompute == "none":
-        scores = 2 * m.num_heads * s * s * b // tc
+        math = math_attention_elements(m, p, t, kv_div=kv_div)
     mask = 0
-    if engine == "torch" and p.cp > 1 and recompute == "none":
+    if engine == "torch" and p.cp > 1 and recompute == "none" and t.attention == "flash":
         # The all-gather-KV attention passes SDPA a boolean causal mask (local queries × all keys);
         # SDPA converts it to the compute dtype and saves that copy for backward, in every layer: (s/c)·s
         # elements, shared by the batch and the heads (measured: +34.9 MiB on tiny, cp 2, s 2048, 4
-        # layers of 8 MiB plus the boolean mask; growing with s² as it should).
+        # layers of 8 MiB plus the boolean mask; growing with s² as it should). The math kernel adds
+        # the converted mask to its scores and keeps neither.
         mask = (s // p.cp) * s
-    return elem_bytes(t.precision) * (norm + inputs + q_out + kv + mlp + scores + mask)
+    mlp = 4 * s * b * f // tc
+    return elem_bytes(t.precision) * (norm + inputs + q_out + kv + mlp + math + mask)
+
+
+def math_attention_elements(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, kv_div: int) -> int:
+    """What the math kernel keeps beyond the fused one, in elements: the softmax output a·s²·b (both
+    batched matmuls' backward and the softmax's own need it; the scores before it are freed — no
+    dropout in Llama, so nothing else of Korthikanti's 5as/h) at (s/c)·s per head and a/t heads; and,
+    under GQA, K and V repeated to all a heads (the math path's ``repeat_interleave`` copies, saved
+    instead of the k-head tensors): 2·sbh·(1 − k/a), divided like K and V (``kv_div``). Measured on one
+    ``tiny`` block (s 512, b 4, FP32, saved-bytes of the allocator's stream): 16.97 sbh more than flash,
+    against a·s²·b/sbh = 16 and 2·(1 − 1/2) = 1."""
+    s, b, h = t.seq_len, t.micro_batch_size, m.hidden_size
+    softmax = m.num_heads * (s // p.cp) * s * b // p.tp
+    repeated = 2 * s * b * h * (m.num_heads - m.num_kv_heads) // m.num_heads // kv_div
+    return softmax + repeated
+
+
+def op_layer_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
+    """A layer under torchtitan's op-level policy (``harness/runner/parallel/recompute.py``): the
+    block's input, which the checkpoint keeps, and the outputs of the ops on the save list — the 1st,
+    3rd, 5th and 7th of the block's 7 matmuls (wq, wv, w1, w2; wk, wo and w3 are every second one,
+    recomputed), the fused attention kernel's output (the math kernel is not one op: its matmuls and
+    softmax are recomputed) and, with sequence parallelism, the two reduce-scatters' outputs.
+
+    Sharding: the input as the residual stream (:func:`layer_input_bytes`); column-parallel outputs
+    and the attention output by t·c; w2's output is the row-parallel matmul's un-reduced partial sum,
+    full width on every tp rank, by c only. In elements, for t = c = 1: sbh·(3 + k/a) + sbf (+ sbh for
+    the flash output); measured on one ``tiny`` block (s 512, b 4, FP32): 7.28 sbh kept, against
+    1 + 1 + 0.5 + 1 + 2.75 + 1 = 7.25 plus the log-sum-exp."""
+    s, b, h, f = t.seq_len, t.micro_batch_size, m.hidden_size, m.ffn_hidden_size
+    sbh = s * b * h
+    tc = p.tp * p.cp
+    sp = p.sequence_parallel and p.tp > 1
+    q = sbh // tc
+    v = sbh // m.num_heads * m.num_kv_heads // tc
+    attention = sbh // tc if t.attention == "flash" else 0
+    gate = s * b * f // tc
+    down = sbh // p.cp
+    reduce_scatter = 2 * sbh // tc if sp else 0
+    return layer_input_bytes(m, p, t) + elem_bytes(t.precision) * (
+        q + v + attention + gate + down + reduce_scatter
+    )
 
 
 def layer_input_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
@@ -106,36 +157,53 @@ def inflight_chunks(p: ParallelSpec, t: TrainSpec, *, stage: int) -> int:
     return min(pp - stage, m)
 
 
+def checkpointed_layers(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
+    """Blocks of one model chunk (L/(pp·v) layers) that full recomputation checkpoints: every
+    ``recompute_every``-th, counted per chunk as the runner does (torchtitan's layer option); 0 unless
+    recompute is full."""
+    if t.recompute != "full":
+        return 0
+    return m.num_layers // (p.pp * p.virtual_stages) // t.recompute_every
+
+
 def stage_layer_activations(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: str) -> int:
     """The activations of all layers ``stage`` holds at its peak, with recomputation applied.
 
-    Full recomputation keeps each in-flight layer's input and, while one layer is recomputed in
-    backward, that layer's full activations once (Korthikanti §4.2: 2sbhL/t plus one layer; the
+    Full recomputation keeps each checkpointed layer's input (every layer's, or with
+    ``recompute_every`` N every N-th; the others keep everything) and, while one layer is recomputed
+    in backward, that layer's full activations once (Korthikanti §4.2: 2sbhL/t plus one layer; the
     recomputed layer's input, its first norm input, is counted once).
-    Selective recomputation keeps everything but the scores, which one layer's recomputed attention
-    core holds again during backward.
+    Selective recomputation keeps everything but the attention kernel's extra tensors, which one
+    layer's recomputed attention core holds again during backward; op keeps :func:`op_layer_bytes`
+    per layer and one layer's recomputation (:func:`recompute_working_set`).
     """
     layers_per_chunk = m.num_layers // (p.pp * p.virtual_stages)
-    layers = inflight_chunks(p, t, stage=stage) * layers_per_chunk
-    # Full: the recomputed layer's own input is one of the kept inputs (its first norm input).
-    # Selective: the recomputed attention core materialises one layer's scores again during backward.
-    per_layer = (
-        layer_input_bytes(m, p, t)
-        if t.recompute == "full"
-        else layer_activation_bytes(m, p, t, engine=engine)
-    )
-    return layers * per_layer + recompute_working_set(m, p, t, engine=engine)
+    chunks = inflight_chunks(p, t, stage=stage)
+    if t.recompute == "full":
+        kept = checkpointed_layers(m, p, t)
+        chunk = kept * layer_input_bytes(m, p, t)
+        chunk += (layers_per_chunk - kept) * layer_activation_bytes(m, p, t, engine=engine, recompute="none")
+    else:
+        chunk = layers_per_chunk * layer_activation_bytes(m, p, t, engine=engine)
+    return chunks * chunk + recompute_working_set(m, p, t, engine=engine)
 
 
 def recompute_working_set(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, engine: str) -> int:
     """What :func:`stage_layer_activations` counts for the one layer recomputed during backward, beyond
-    what the stage keeps: full, that layer's activations less its kept input; selective, its attention
-    core again; none, 0."""
+    what the stage keeps: full, that layer's activations less its kept input — 0 if no block of a chunk
+    is checkpointed, or if the chunk's last block is not (``recompute_every`` not dividing the chunk's
+    layers): backward has then freed the trailing blocks' full activations before it recomputes the
+    last checkpointed one; op, its activations less what the policy kept, plus the block's output, which
+    the replay recomputes too (measured on one ``tiny`` block: 13.77 sbh above ``none``'s backward
+    against 20.05 − 7.28 = 12.77); selective, its attention core again; none, 0."""
     if t.recompute == "none":
         return 0
     full_layer = layer_activation_bytes(m, p, t, engine=engine, recompute="none")
     if t.recompute == "full":
-        return full_layer - layer_input_bytes(m, p, t)
+        last_checkpointed = m.num_layers // (p.pp * p.virtual_stages) % t.recompute_every == 0
+        return full_layer - layer_input_bytes(m, p, t) if last_checkpointed else 0
+    if t.recompute == "op":
+        return full_layer - op_layer_bytes(m, p, t) + layer_input_bytes(m, p, t)
     return full_layer - layer_activation_bytes(m, p, t, engine=engine)
 
 

@@ -27,6 +27,7 @@ IGNORED_FIELDS = (
     "parallel.virtual_stages",
     "train.num_microbatches",
     "train.recompute",
+    "train.recompute_every",
     "train.precision",
     "train.attention",
 )
