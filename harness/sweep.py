@@ -169,9 +169,9 @@ def run_job(cfg: dict[str, Any]) -> str:
     task = None
     try:
         task = slurm_task(results_dir, cid)
-        from harness.runner.supervisor import run_point
+        from harness.runner.fake import run_configured
 
-        row = run_point(spec_of(cfg), timeout_s=float(cfg["run"]["timeout_s"]), task=task)
+        row = run_configured(spec_of(cfg), cfg["run"], task=task)  # run.mode: real or fake
     except Exception as exc:  # the supervisor failed or was interrupted: still one row
         row = invalid_record(spec_of(cfg), "")
         timeout = isinstance(exc, SlurmSignal)

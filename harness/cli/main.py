@@ -112,7 +112,7 @@ def _plan(overrides: Sequence[str]) -> int:
 
 def _run(overrides: Sequence[str]) -> int:
     from harness.cli.render import record_json, record_table
-    from harness.runner.supervisor import run_point
+    from harness.runner.fake import run_configured
     from harness.specs import spec_id
     from harness.sweep import slurm_task
 
@@ -126,7 +126,7 @@ def _run(overrides: Sequence[str]) -> int:
     # Under `srun --nodes=N` (or several tasks of one node) each task forks its block of the ranks,
     # sharing a directory under results_dir; task 0 prints the record, the others print nothing.
     task = slurm_task(str(cfg["results_dir"]), spec_id(spec))
-    record = run_point(spec, timeout_s=timeout_s, task=task)
+    record = run_configured(spec, cfg["run"], task=task)  # run.mode: real or fake
     if record is None:
         return 0
     print(record_json(record) if fmt == "json" else record_table(record))

@@ -91,9 +91,9 @@ def _untracked_live_tensors(tracker: Any, device: torch.device) -> list[torch.Te
         if t.device != device or t.is_meta:
             continue
         st = t.untyped_storage()
-        if st.nbytes() == 0 or st in known or st.data_ptr() in seen:
+        if st.nbytes() == 0 or st in known or st._cdata in seen:
             continue
-        seen.add(st.data_ptr())
+        seen.add(st._cdata)  # (not data_ptr: every fake storage has none)
         found.append(t)
     return found
 
