@@ -66,7 +66,7 @@ class FusedRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, rstd, weight = ctx.saved_tensors
+        x, _rstd, weight = ctx.saved_tensors
         grad_x = torch.empty_like(x)
         grad_w = torch.empty_like(weight) if ctx.has_weight else None
         return grad_x, grad_w, None, None
@@ -88,7 +88,7 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, rng_state, unused = ctx.saved_tensors
+        q, k, v = ctx.saved_tensors[:3]  # (out, lse, rng_state, unused: read by the kernel)
         b, h, s_q, d = q.shape
         h_k, s_k = k.shape[1], k.shape[2]
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
