@@ -330,3 +330,37 @@ def test_bf16_loss_upcast_is_the_same_with_cuda_kernels():
             peaks.append(live.state["peak"])
     assert peaks[0] == peaks[1]
     assert peaks[0] >= 12 * s * v
+
+
+def test_torch_engine_counts_cuda_fused_rms_norm_on_gpu_presets():
+    """Issue 14's 8B gap: the engine counted the CPU composite norm's two tensors per norm on GPUs.
+    Llama-3-8B, s 8192, b 1, BF16: per layer 2 B · s·h · (12 + 4k/a + 8f/h) = 2 · 33,554,432 ·
+    (12 + 1 + 28)/2 = 41 B per s·h (ESTIMATOR.md 3's 41.0) on a GPU; on the CPU the engine keeps the
+    normalised output too, one more s·h tensor per norm."""
+    from harness.estimate import estimate
+
+    kw = {"parallel_dp": 8, "parallel_zero_stage": 3, "train_seq_len": 8192, "train_precision": "bf16"}
+    gpu = estimate(spec("llama3_8b", "h100_94gb", **kw)).worst.terms["activations"]
+    cpu = estimate(spec("llama3_8b", "cpu", **kw)).worst.terms["activations"]
+    sh = 8192 * 4096
+    assert gpu == 32 * 41 * sh
+    assert cpu - gpu == 32 * 2 * (2 * sh)  # 32 layers × 2 norms × one BF16 s·h tensor
+
+
+@pytest.mark.slow
+def test_cpu_and_cuda_kernels_differ_by_the_norms_on_a_moderate_point():
+    """Llama-3-8B cut to 2 layers, dp 8, ZeRO-3, s 8192, BF16 (7 s per trace here): the CPU kernels'
+    trace holds 12 B per s·h per layer more (two norms × (FP32 upcast + FP32 normalised − BF16 input)
+    = 2 × (4 + 4 − 2)), plus the final norm's 6 B per s·h."""
+    s = spec("llama3_8b", "h100_94gb", parallel_dp=8, parallel_zero_stage=3, train_seq_len=8192)
+    s = dataclasses.replace(s, model=dataclasses.replace(s.model, num_layers=2))
+    cpu = in_fresh_process(_trace_kernels, s, "cpu")
+    cuda = in_fresh_process(_trace_kernels, s, "cuda")
+    sh = 8192 * 4096
+    assert cpu - cuda == pytest.approx((2 * 12 + 6) * sh, rel=0.01)
+
+
+def _trace_kernels(s, kernels):
+    from harness.runner.fake import trace_rank
+
+    return trace_rank(s, 0, kernels=kernels)["peak_allocated_bytes"]

@@ -41,14 +41,22 @@ def elem_bytes(precision: str) -> int:
     return 2 if precision == "bf16" else 4
 
 
-def norm_tensors(engine: str) -> int:
+def norm_tensors(engine: str, *, fused_norm: bool = False) -> int:
     """Tensors of s·b·h one RMSNorm keeps per norm, twice per layer: the input (megatron), the input
-    and the normalised output (torch: ``F.rms_norm``'s autograd saves both)."""
-    return 4 if engine == "torch" else 2
+    and the normalised output (torch on CPU: the composite ``F.rms_norm``'s autograd saves both). On a
+    GPU (``fused_norm``) ``F.rms_norm`` runs CUDA's fused ``_fused_rms_norm``, which keeps the input
+    and an FP32 1/rms per row only (harness/runner/fake_kernels.py 1): the input, as megatron's."""
+    return 4 if engine == "torch" and not fused_norm else 2
 
 
 def layer_activation_bytes(
-    m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, engine: str, recompute: str | None = None
+    m: ModelSpec,
+    p: ParallelSpec,
+    t: TrainSpec,
+    *,
+    engine: str,
+    recompute: str | None = None,
+    fused_norm: bool = False,
 ) -> int:
     """Bytes one layer keeps for backward for one micro-batch on one rank (before recomputation, unless
     ``recompute`` is given: "selective" drops the score matrices — Korthikanti's selective recomputation
@@ -58,7 +66,7 @@ def layer_activation_bytes(
     sbh = s * b * h
     tc = p.tp * p.cp
     sp = p.sequence_parallel and p.tp > 1
-    norm = norm_tensors(engine) * sbh // (tc if sp else p.cp)
+    norm = norm_tensors(engine, fused_norm=fused_norm) * sbh // (tc if sp else p.cp)
     inputs_div = tc if (sp and engine == "megatron") else p.cp
     inputs = 2 * sbh // inputs_div  # attention input + MLP input
     q_out = 2 * sbh // tc
@@ -106,7 +114,9 @@ def inflight_chunks(p: ParallelSpec, t: TrainSpec, *, stage: int) -> int:
     return min(pp - stage, m)
 
 
-def stage_layer_activations(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: str) -> int:
+def stage_layer_activations(
+    m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: str, fused_norm: bool = False
+) -> int:
     """The activations of all layers ``stage`` holds at its peak, with recomputation applied.
 
     Full recomputation keeps each in-flight layer's input and, while one layer is recomputed in
@@ -122,21 +132,23 @@ def stage_layer_activations(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stag
     per_layer = (
         layer_input_bytes(m, p, t)
         if t.recompute == "full"
-        else layer_activation_bytes(m, p, t, engine=engine)
+        else layer_activation_bytes(m, p, t, engine=engine, fused_norm=fused_norm)
     )
-    return layers * per_layer + recompute_working_set(m, p, t, engine=engine)
+    return layers * per_layer + recompute_working_set(m, p, t, engine=engine, fused_norm=fused_norm)
 
 
-def recompute_working_set(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, engine: str) -> int:
+def recompute_working_set(
+    m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, engine: str, fused_norm: bool = False
+) -> int:
     """What :func:`stage_layer_activations` counts for the one layer recomputed during backward, beyond
     what the stage keeps: full, that layer's activations less its kept input; selective, its attention
     core again; none, 0."""
     if t.recompute == "none":
         return 0
-    full_layer = layer_activation_bytes(m, p, t, engine=engine, recompute="none")
+    full_layer = layer_activation_bytes(m, p, t, engine=engine, recompute="none", fused_norm=fused_norm)
     if t.recompute == "full":
         return full_layer - layer_input_bytes(m, p, t)
-    return full_layer - layer_activation_bytes(m, p, t, engine=engine)
+    return full_layer - layer_activation_bytes(m, p, t, engine=engine, fused_norm=fused_norm)
 
 
 def _last_stage_inflight(p: ParallelSpec, t: TrainSpec) -> int:
@@ -161,7 +173,9 @@ def token_ids(p: ParallelSpec, t: TrainSpec, *, stage: int, engine: str) -> int:
     return per_mb * (t.num_microbatches if p.pp_schedule == "gpipe" else min(p.pp, t.num_microbatches))
 
 
-def output_activations(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: str) -> int:
+def output_activations(
+    m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: str, fused_norm: bool = False
+) -> int:
     """The last stage's final-norm input and LM-head input (Korthikanti's 4sbh/t at e = 2 with SP);
     torch's norm also keeps its normalised output (:func:`norm_tensors`).
 
@@ -172,7 +186,7 @@ def output_activations(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: in
         return 0
     sbh = t.seq_len * t.micro_batch_size * m.hidden_size
     sp = p.sequence_parallel and p.tp > 1
-    norm_in = norm_tensors(engine) // 2 * sbh // (p.cp * (p.tp if sp else 1))
+    norm_in = norm_tensors(engine, fused_norm=fused_norm) // 2 * sbh // (p.cp * (p.tp if sp else 1))
     head_in = sbh // (p.cp * (p.tp if (sp and engine == "megatron") else 1))
     return elem_bytes(t.precision) * (norm_in + head_in) * _last_stage_inflight(p, t)
 
