@@ -364,3 +364,15 @@ def _trace_kernels(s, kernels):
     from harness.runner.fake import trace_rank
 
     return trace_rank(s, 0, kernels=kernels)["peak_allocated_bytes"]
+
+
+def test_torch_engine_holds_the_fp32_gradient_of_the_upcast_logits_at_the_loss():
+    """Traced (run.mode=fake, Llama-3-8B BF16, 2 layers, s 4096): at the loss's backward peak three FP32
+    logits-sized tensors are alive — the saved log-softmax, its gradient, and the gradient of the FP32
+    logits — 12 B per logit; the engine's loss (8 B) + logits term, now FP32 (4 B), not BF16 (2 B)."""
+    from harness.estimate import estimate
+
+    s = spec("llama3_8b", "h100_94gb", parallel_dp=8, parallel_zero_stage=3, train_seq_len=4096)
+    terms = estimate(s).worst.terms
+    sv = 4096 * 128_256
+    assert (terms["logits"], terms["loss"]) == (4 * sv, 8 * sv)

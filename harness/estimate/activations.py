@@ -208,8 +208,15 @@ def held_outputs(p: ParallelSpec, t: TrainSpec, *, engine: str) -> int:
 
 def logits(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: str = "megatron") -> int:
     """The head's output in the compute dtype (or its gradient), vocabulary-sharded, kept until the
-    loss's backward: b·s·v/(t·c) × elem × :func:`held_outputs`."""
+    loss's backward: b·s·v/(t·c) × elem × :func:`held_outputs`.
+
+    torch without tp or pp (the fused single-rank loss, ``compose.loss_fn``): the third tensor at the
+    loss's backward peak, beside the saved FP32 log-softmax and the FP32 gradient of it
+    (:func:`harness.estimate.buffers.loss`), is ``_log_softmax_backward_data``'s FP32 output, the
+    gradient of the upcast logits — FP32 whatever the compute dtype (traced with ``run.mode=fake``,
+    Llama-3-8B BF16: 3 × 4 B per logit at the peak; issue 14)."""
     if stage != p.pp - 1:
         return 0
     sbv = t.seq_len * t.micro_batch_size * m.vocab_size
-    return elem_bytes(t.precision) * sbv // vocab_shards(p, engine=engine) * held_outputs(p, t, engine=engine)
+    elem = 4 if (engine == "torch" and p.pp == 1 and p.tp == 1) else elem_bytes(t.precision)
+    return elem * sbv // vocab_shards(p, engine=engine) * held_outputs(p, t, engine=engine)
