@@ -42,8 +42,10 @@ def main() -> None:
     if row.get("peak_allocated_bytes") is None:
         return
     times = ", ".join(f"{s:.1f}" for s in row["fake_trace_s"])
+    cpu = ", ".join(f"{s:.1f}" for s in row["fake_trace_cpu_s"])
     print(
-        f"traced ranks {row['fake_traced_ranks']} ({row['fake_kernels']} kernels): {times} s each; "
+        f"traced ranks {row['fake_traced_ranks']} ({row['fake_kernels']} kernels): {times} s each "
+        f"({cpu} CPU s); "
         f"wall {row['wall_s']:.1f} s; tracing process max RSS {row['fake_host_rss_bytes'] / GIB:.2f} GiB"
     )
     est = estimate(spec, engine="torch")

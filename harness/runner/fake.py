@@ -202,6 +202,7 @@ def fake_record(
     row["fake_traced_ranks"] = sorted(r["rank"] for r in ranks)
     row["fake_kernels"] = ranks[0].get("kernels") if ranks else None
     row["fake_trace_s"] = [r.get("trace_s") for r in sorted(ranks, key=lambda r: r["rank"])]
+    row["fake_trace_cpu_s"] = [r.get("trace_cpu_s") for r in sorted(ranks, key=lambda r: r["rank"])]
     row["fake_host_rss_bytes"] = max((r.get("host_rss_bytes") or 0 for r in ranks), default=None)
     return row
 
@@ -238,7 +239,10 @@ def _child(spec: RunSpec, rank: int, out: Path, kernels: str | None) -> None:
         start = time.perf_counter()
         result = {"rank": rank, **trace_rank(spec, rank, kernels=kernels)}
         result["trace_s"] = time.perf_counter() - start
-        result["host_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        # CPU seconds too: on a shared machine the wall time says more about the other processes.
+        result["trace_cpu_s"] = usage.ru_utime + usage.ru_stime
+        result["host_rss_bytes"] = usage.ru_maxrss * 1024
     except BaseException as exc:  # written as data: the parent turns it into the record's reason
         lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
         result = {

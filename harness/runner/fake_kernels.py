@@ -1,7 +1,7 @@
 """CUDA's kernels in a fake run: what they save for backward and allocate, where the CPU's differ.
 
 A fake run dispatches the CPU wheel's kernels. Where a GPU run would call a different kernel with a
-different memory footprint, ``cuda_kernels()`` (a ``TorchFunctionMode``) routes the call to an
+different memory footprint, ``cuda_kernels()`` routes the call to an
 autograd function that allocates and saves exactly what the CUDA kernel does — shapes and dtypes only,
 the values of fake tensors mean nothing. Each difference, with its source (PyTorch 2.13):
 
@@ -44,7 +44,6 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 
 def _round_up(x: int, m: int) -> int:
@@ -110,29 +109,34 @@ def _plain(*tensors) -> bool:
     return all(isinstance(t, torch.Tensor) and not isinstance(t, DTensor) for t in tensors)
 
 
-class CudaKernels(TorchFunctionMode):
-    """Routes ``F.rms_norm`` and mask-free causal ``F.scaled_dot_product_attention`` to the CUDA
-    kernels' memory behaviour (module docstring)."""
+def _rms_norm(cpu_rms_norm):
+    def rms_norm(input, normalized_shape, weight=None, eps=None):
+        return FusedRMSNorm.apply(input, weight, tuple(normalized_shape), eps)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.rms_norm:
-            x, shape = args[0], args[1]
-            weight = args[2] if len(args) > 2 else kwargs.get("weight")
-            eps = args[3] if len(args) > 3 else kwargs.get("eps")
-            return FusedRMSNorm.apply(x, weight, tuple(shape), eps)
-        if func is F.scaled_dot_product_attention:
-            q, k, v = args[:3]
-            mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
-            dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
-            causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
-            if mask is None and causal and not dropout and _plain(q, k, v) and q.dtype != torch.float32:
-                return FlashAttention.apply(q, k, v)
-        return func(*args, **kwargs)
+    return rms_norm
+
+
+def _sdpa(cpu_sdpa):
+    def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+        plain = _plain(query, key, value) and query.dtype != torch.float32
+        if attn_mask is None and is_causal and not dropout_p and plain and kw.get("scale") is None:
+            return FlashAttention.apply(query, key, value)
+        return cpu_sdpa(query, key, value, attn_mask, dropout_p, is_causal, **kw)
+
+    return scaled_dot_product_attention
 
 
 @contextlib.contextmanager
 def cuda_kernels() -> Iterator[None]:
-    """CUDA's kernels' saved tensors and workspaces for the calls this module emulates."""
-    with CudaKernels():
+    """CUDA's kernels' saved tensors and workspaces for the calls this module emulates:
+    ``F.rms_norm`` and mask-free causal ``F.scaled_dot_product_attention`` (BF16/FP16; FP32 would run
+    memory-efficient attention on CUDA, whose saved tensors equal CPU flash's but for the logsumexp's
+    padding to 32 rows) are replaced in ``torch.nn.functional`` for the duration (a fake run's own
+    process). Replacing the functions, not a ``TorchFunctionMode`` over every call, keeps the trace's
+    cost: a mode doubled it (52 s against 28 s on the 8B point)."""
+    saved = F.rms_norm, F.scaled_dot_product_attention
+    F.rms_norm, F.scaled_dot_product_attention = _rms_norm(saved[0]), _sdpa(saved[1])
+    try:
         yield
+    finally:
+        F.rms_norm, F.scaled_dot_product_attention = saved
