@@ -33,10 +33,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernels", choices=("cuda", "cpu"), default=None)
     ap.add_argument("--timeout", type=float, default=1800.0)
+    ap.add_argument("--rank", type=int, default=None, help="trace this rank only (timing one stage)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     spec = run_spec(compose(args.overrides or DEFAULT))
+    if args.rank is not None:
+        one_rank(spec, args.rank, args.kernels)
+        return
     row = run_fake(spec, timeout_s=args.timeout, kernels=args.kernels)
     print(f"status {row['status']}  {row.get('error') or ''}")
     if row.get("peak_allocated_bytes") is None:
@@ -58,6 +62,31 @@ def main() -> None:
     print(
         "engine terms (GiB):    "
         + ", ".join(f"{k} {est.worst.terms[k] / GIB:.3f}" for k in TERMS if est.worst.terms[k])
+    )
+
+
+def one_rank(spec, rank: int, kernels: str | None) -> None:
+    """One rank's trace in a child process: its seconds, CPU seconds, host memory and peak."""
+    import time
+
+    from harness.runner.fake import _trace_in_child
+
+    r = _trace_in_child(spec, rank, deadline=time.monotonic() + 3600, kernels=kernels)
+    if "peak_allocated_bytes" not in r:
+        print(f"rank {rank}: {r.get('error') or 'timed out'}")
+        return
+    print(
+        f"rank {rank} ({r['kernels']} kernels): {r['trace_s']:.1f} s ({r['trace_cpu_s']:.1f} CPU s), "
+        f"max RSS {r['host_rss_bytes'] / GIB:.2f} GiB, peak {r['peak_allocated_bytes'] / GIB:.3f} GiB"
+    )
+    print("categories (GiB): " + ", ".join(f"{k} {v / GIB:.3f}" for k, v in r["categories"].items() if v))
+    from harness.estimate import estimate
+
+    stage = r["coords"]["pp"]
+    est = next(x for x in estimate(spec, engine="torch").stages if x.stage == stage)
+    print(
+        f"torch engine, stage {stage}: {est.total_bytes / GIB:.3f} GiB; "
+        + ", ".join(f"{k} {v / GIB:.3f}" for k, v in est.terms.items() if v)
     )
 
 
