@@ -315,11 +315,10 @@ def _run_claimed(cfg: dict[str, Any], cid: str, task) -> str:
     if os.environ.get("SLURM_JOB_ID"):
         previous = {s: signal.signal(s, _raise_slurm_signal) for s in (signal.SIGUSR2, signal.SIGTERM)}
     try:
-        from harness.runner.supervisor import run_point
+        from harness.runner.fake import run_configured
 
-        row = run_point(
-            spec_of(cfg), timeout_s=float(cfg["run"]["timeout_s"]), task=task, artifacts=run_artifacts(cfg)
-        )
+        # run.mode real or fake
+        row = run_configured(spec_of(cfg), cfg["run"], task=task, artifacts=run_artifacts(cfg))
     except Exception as exc:  # the supervisor failed or was interrupted: still one row
         row = invalid_record(spec_of(cfg), "")
         timeout = isinstance(exc, SlurmSignal)

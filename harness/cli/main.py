@@ -202,20 +202,20 @@ def _emit(cfg: dict, specs: list, fmt: str, opts) -> None:
 
 def _run(overrides: Sequence[str]) -> int:
     from harness.cli.render import record_json, record_table
-    from harness.runner.supervisor import run_point
+    from harness.runner.fake import run_configured
     from harness.specs import spec_id
     from harness.sweep import run_artifacts, run_timeout, slurm_task
 
     cfg = compose(overrides)
     fmt, _ = _output_settings(cfg)
     fail_on = fail_statuses(cfg["run"].get("fail_on"))
-    timeout_s = run_timeout(cfg)
+    run_timeout(cfg)  # run.timeout_s checked here (inf, <= 0: one line, exit 2); run_configured reads it
     # Unknown or missing keys are a usage error (one line, exit 2); an impossible layout is a record.
     spec = run_spec(cfg)
     # Under `srun --nodes=N` (or several tasks of one node) each task forks its block of the ranks,
     # sharing a directory under results_dir; task 0 prints the record, the others print nothing.
     task = slurm_task(str(cfg["results_dir"]), spec_id(spec))
-    record = run_point(spec, timeout_s=timeout_s, task=task, artifacts=run_artifacts(cfg))
+    record = run_configured(spec, cfg["run"], task=task, artifacts=run_artifacts(cfg))  # real or fake
     if record is None:
         return 0
     print(record_json(record) if fmt == "json" else record_table(record))

@@ -467,13 +467,16 @@ def record_table(record: dict[str, Any]) -> str:
                 f"  estimate (engine torch): {human(r['est_total_bytes'])} → measured/estimate {ratio:.2f}"
             )
         mfu = r.get("mfu")
-        lines += [
-            f"step time {r['step_time_s']:.3f} s ({_timing(r)}), "
-            f"{r['tokens_per_s']:,.0f} tokens/s, {r['tflops_per_device']:.4f} TFLOP/s per device, "
-            f"MFU {'n/a' if mfu is None or math.isnan(mfu) else f'{mfu:.1%}'} "
-            f"(reference {r['mfu_reference_tflops']:.3g} TFLOP/s)",
-            f"loss by step: {', '.join(f'{x:.4f}' for x in r['losses'])}",
-        ]
+        if r.get("fake_traced_ranks") is not None:  # run.mode=fake: memory only, no step was timed
+            lines.append(f"  fake run: traced ranks {r['fake_traced_ranks']}, kernels {r['fake_kernels']}")
+        else:
+            lines += [
+                f"step time {r['step_time_s']:.3f} s ({_timing(r)}), "
+                f"{r['tokens_per_s']:,.0f} tokens/s, {r['tflops_per_device']:.4f} TFLOP/s per device, "
+                f"MFU {'n/a' if mfu is None or math.isnan(mfu) else f'{mfu:.1%}'} "
+                f"(reference {r['mfu_reference_tflops']:.3g} TFLOP/s)",
+                f"loss by step: {', '.join(f'{x:.4f}' for x in r['losses'])}",
+            ]
     tasks = r.get("launch_tasks") or 1
     spread = f"; {tasks} tasks on {', '.join(r.get('launch_hosts') or [])}" if tasks > 1 else ""
     lines.append(

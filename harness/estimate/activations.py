@@ -43,14 +43,22 @@ def elem_bytes(precision: str) -> int:
     return 2 if precision == "bf16" else 4
 
 
-def norm_tensors(engine: str) -> int:
+def norm_tensors(engine: str, *, fused_norm: bool = False) -> int:
     """Tensors of s·b·h one RMSNorm keeps per norm, twice per layer: the input (megatron), the input
-    and the normalised output (torch: ``F.rms_norm``'s autograd saves both)."""
-    return 4 if engine == "torch" else 2
+    and the normalised output (torch on CPU: the composite ``F.rms_norm``'s autograd saves both). On a
+    GPU (``fused_norm``) ``F.rms_norm`` runs CUDA's fused ``_fused_rms_norm``, which keeps the input
+    and an FP32 1/rms per row only (harness/runner/fake_kernels.py 1): the input, as megatron's."""
+    return 4 if engine == "torch" and not fused_norm else 2
 
 
 def layer_activation_bytes(
-    m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, engine: str, recompute: str | None = None
+    m: ModelSpec,
+    p: ParallelSpec,
+    t: TrainSpec,
+    *,
+    engine: str,
+    recompute: str | None = None,
+    fused_norm: bool = False,
 ) -> int:
     """Bytes one layer keeps for backward for one micro-batch on one rank, under ``recompute`` (default
     ``t.recompute``): "none" (and the blocks that full recomputation with ``recompute_every`` > 1 leaves
@@ -66,7 +74,7 @@ def layer_activation_bytes(
     sbh = s * b * h
     tc = p.tp * p.cp
     sp = p.sequence_parallel and p.tp > 1
-    norm = norm_tensors(engine) * sbh // (tc if sp else p.cp)
+    norm = norm_tensors(engine, fused_norm=fused_norm) * sbh // (tc if sp else p.cp)
     inputs_div = tc if (sp and engine == "megatron") else p.cp
     inputs = 2 * sbh // inputs_div  # attention input + MLP input
     q_out = 2 * sbh // tc
@@ -166,7 +174,9 @@ def checkpointed_layers(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
     return m.num_layers // (p.pp * p.virtual_stages) // t.recompute_every
 
 
-def stage_layer_activations(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: str) -> int:
+def stage_layer_activations(
+    m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: str, fused_norm: bool = False
+) -> int:
     """The activations of all layers ``stage`` holds at its peak, with recomputation applied.
 
     Full recomputation keeps each checkpointed layer's input (every layer's, or with
@@ -182,13 +192,17 @@ def stage_layer_activations(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stag
     if t.recompute == "full":
         kept = checkpointed_layers(m, p, t)
         chunk = kept * layer_input_bytes(m, p, t)
-        chunk += (layers_per_chunk - kept) * layer_activation_bytes(m, p, t, engine=engine, recompute="none")
+        chunk += (layers_per_chunk - kept) * layer_activation_bytes(
+            m, p, t, engine=engine, recompute="none", fused_norm=fused_norm
+        )
     else:
-        chunk = layers_per_chunk * layer_activation_bytes(m, p, t, engine=engine)
-    return chunks * chunk + recompute_working_set(m, p, t, engine=engine)
+        chunk = layers_per_chunk * layer_activation_bytes(m, p, t, engine=engine, fused_norm=fused_norm)
+    return chunks * chunk + recompute_working_set(m, p, t, engine=engine, fused_norm=fused_norm)
 
 
-def recompute_working_set(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, engine: str) -> int:
+def recompute_working_set(
+    m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, engine: str, fused_norm: bool = False
+) -> int:
     """What :func:`stage_layer_activations` counts for the one layer recomputed during backward, beyond
     what the stage keeps: full, that layer's activations less its kept input — 0 if no block of a chunk
     is checkpointed, or if the chunk's last block is not (``recompute_every`` not dividing the chunk's
@@ -198,13 +212,13 @@ def recompute_working_set(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, engine
     against 20.05 − 7.28 = 12.77); selective, its attention core again; none, 0."""
     if t.recompute == "none":
         return 0
-    full_layer = layer_activation_bytes(m, p, t, engine=engine, recompute="none")
+    full_layer = layer_activation_bytes(m, p, t, engine=engine, recompute="none", fused_norm=fused_norm)
     if t.recompute == "full":
         last_checkpointed = m.num_layers // (p.pp * p.virtual_stages) % t.recompute_every == 0
         return full_layer - layer_input_bytes(m, p, t) if last_checkpointed else 0
     if t.recompute == "op":
         return full_layer - op_layer_bytes(m, p, t) + layer_input_bytes(m, p, t)
-    return full_layer - layer_activation_bytes(m, p, t, engine=engine)
+    return full_layer - layer_activation_bytes(m, p, t, engine=engine, fused_norm=fused_norm)
 
 
 def _last_stage_inflight(p: ParallelSpec, t: TrainSpec) -> int:
@@ -229,7 +243,9 @@ def token_ids(p: ParallelSpec, t: TrainSpec, *, stage: int, engine: str) -> int:
     return per_mb * (t.num_microbatches if p.pp_schedule == "gpipe" else min(p.pp, t.num_microbatches))
 
 
-def output_activations(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: str) -> int:
+def output_activations(
+    m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: str, fused_norm: bool = False
+) -> int:
     """The last stage's final-norm input and LM-head input (Korthikanti's 4sbh/t at e = 2 with SP);
     torch's norm also keeps its normalised output (:func:`norm_tensors`).
 
@@ -240,7 +256,7 @@ def output_activations(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: in
         return 0
     sbh = t.seq_len * t.micro_batch_size * m.hidden_size
     sp = p.sequence_parallel and p.tp > 1
-    norm_in = norm_tensors(engine) // 2 * sbh // (p.cp * (p.tp if sp else 1))
+    norm_in = norm_tensors(engine, fused_norm=fused_norm) // 2 * sbh // (p.cp * (p.tp if sp else 1))
     head_in = sbh // (p.cp * (p.tp if (sp and engine == "megatron") else 1))
     return elem_bytes(t.precision) * (norm_in + head_in) * _last_stage_inflight(p, t)
 
@@ -262,8 +278,15 @@ def held_outputs(p: ParallelSpec, t: TrainSpec, *, engine: str) -> int:
 
 def logits(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: str = "megatron") -> int:
     """The head's output in the compute dtype (or its gradient), vocabulary-sharded, kept until the
-    loss's backward: b·s·v/(t·c) × elem × :func:`held_outputs`."""
+    loss's backward: b·s·v/(t·c) × elem × :func:`held_outputs`.
+
+    torch without tp or pp (the fused single-rank loss, ``compose.loss_fn``): the third tensor at the
+    loss's backward peak, beside the saved FP32 log-softmax and the FP32 gradient of it
+    (:func:`harness.estimate.buffers.loss`), is ``_log_softmax_backward_data``'s FP32 output, the
+    gradient of the upcast logits — FP32 whatever the compute dtype (traced with ``run.mode=fake``,
+    Llama-3-8B BF16: 3 × 4 B per logit at the peak; issue 14)."""
     if stage != p.pp - 1:
         return 0
     sbv = t.seq_len * t.micro_batch_size * m.vocab_size
-    return elem_bytes(t.precision) * sbv // vocab_shards(p, engine=engine) * held_outputs(p, t, engine=engine)
+    elem = 4 if (engine == "torch" and p.pp == 1 and p.tp == 1) else elem_bytes(t.precision)
+    return elem * sbv // vocab_shards(p, engine=engine) * held_outputs(p, t, engine=engine)

@@ -244,7 +244,7 @@ def _activation_terms(
     m: ModelSpec, t: TrainSpec, stage: int, engine: str, layout: tuple
 ) -> tuple[Items, int]:
     """(items, their sum: all are forward/backward terms)."""
-    tp, pp, cp, sp, schedule, v, balance = layout
+    tp, pp, cp, sp, schedule, v, balance, fused_norm = layout
     # Activations depend on neither dp nor the ZeRO stage: they are not part of the key.
     p = ParallelSpec(
         dp=1,
@@ -257,7 +257,7 @@ def _activation_terms(
         virtual_stages=v,
         cp_load_balance=balance,
     )
-    activations = act.stage_layer_activations(m, p, t, stage=stage, engine=engine)
+    activations = act.stage_layer_activations(m, p, t, stage=stage, engine=engine, fused_norm=fused_norm)
     logits = act.logits(m, p, t, stage=stage, engine=engine)
     loss = buf.loss(m, p, t, stage=stage, engine=engine)
     if engine == "torch" and schedule != "gpipe":  # GPipe keeps every micro-batch's loss buffers
@@ -265,11 +265,15 @@ def _activation_terms(
         # reaches the layers after the head's gradient is made and the loss buffers are freed, so the
         # peak holds the larger of the two. Measured on the CPU study: full recomputation was
         # over-predicted by ~19 % when both were added.
-        activations -= min(act.recompute_working_set(m, p, t, engine=engine), logits + loss)
+        working = act.recompute_working_set(m, p, t, engine=engine, fused_norm=fused_norm)
+        activations -= min(working, logits + loss)
     items = (
         ("activations", activations),
         ("token_ids", act.token_ids(p, t, stage=stage, engine=engine)),
-        ("output_activations", act.output_activations(m, p, t, stage=stage, engine=engine)),
+        (
+            "output_activations",
+            act.output_activations(m, p, t, stage=stage, engine=engine, fused_norm=fused_norm),
+        ),
         ("logits", logits),
         ("tp_allgather", buf.tp_allgather(m, p, t)),
         ("pp_p2p", buf.pp_p2p(m, p, t, stage=stage, engine=engine)),
@@ -286,7 +290,18 @@ def _stage(spec: RunSpec, stage: int, engine: str) -> StageEstimate:
     s_items, states, buffers, step = _state_terms(
         m, stage, p.pp, p.tp, p.dp * p.cp, p.zero_stage, t.precision, engine, grads
     )
-    layout = (p.tp, p.pp, p.cp, p.sequence_parallel, p.pp_schedule, p.virtual_stages, p.cp_load_balance)
+    # On a GPU the runner's RMSNorm is CUDA's fused kernel (activations.norm_tensors).
+    fused_norm = spec.device.name != "cpu"
+    layout = (
+        p.tp,
+        p.pp,
+        p.cp,
+        p.sequence_parallel,
+        p.pp_schedule,
+        p.virtual_stages,
+        p.cp_load_balance,
+        fused_norm,
+    )
     a_items, activations = _activation_terms(m, t, stage, engine, layout)
     terms = dict(s_items + a_items)
     if engine == "torch" and p.zero_stage == 3 and p.dp * p.cp > 1 and stage == p.pp - 1:

@@ -90,9 +90,9 @@ def _live_device_tensors(device: torch.device) -> Iterator[torch.Tensor]:
         if t.device != device or t.is_meta:
             continue
         st = t.untyped_storage()
-        if st.nbytes() == 0 or st.data_ptr() in seen:
+        if st.nbytes() == 0 or st._cdata in seen:
             continue
-        seen.add(st.data_ptr())
+        seen.add(st._cdata)  # (not data_ptr: every fake storage has none)
         yield t
 
 

@@ -1,0 +1,378 @@
+"""`harness run run.mode=fake`: which ranks are traced, the record, every layout the runner supports, and
+CUDA's kernels' memory where it differs from the CPU's (harness/runner/fake_kernels.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import weakref
+
+import pytest
+from conftest import harness_cli, in_fresh_process, spec
+
+from harness.runner.fake import (
+    MEMORY_METHOD,
+    _zero1_worst_rank,
+    fake_record,
+    rank_of,
+    run_fake,
+    traced_ranks,
+    uneven_tp,
+)
+
+MIB = 2**20
+
+
+# --- which ranks ---------------------------------------------------------------------------------
+
+
+def test_one_traced_rank_per_pipeline_stage():
+    # mesh (pp, dp, cp, tp) = (4, 2, 1, 2): stage s starts at rank s·dp·cp·tp = 4s.
+    s = spec("small", parallel_pp=4, parallel_dp=2, parallel_tp=2, train_num_microbatches=4)
+    assert traced_ranks(s) == [0, 4, 8, 12]
+    assert rank_of(s, stage=1, dp=1, tp=1) == 4 + 2 + 1
+
+
+def test_uneven_tensor_parallel_shards_add_the_last_tp_rank():
+    s = spec("tiny", parallel_tp=2)
+    assert not uneven_tp(s)
+    odd = dataclasses.replace(s, model=dataclasses.replace(s.model, vocab_size=4097))
+    assert uneven_tp(odd)
+    assert traced_ranks(odd) == [0, 1]  # tp rank 0 and tp rank 1 of the one stage
+
+
+def test_zero1_traces_the_rank_with_the_largest_partition():
+    s = spec("tiny", parallel_dp=4, parallel_zero_stage=1)
+    coords = {"pp": 0, "dp": 0, "cp": 0, "tp": 0}
+    # dp rank 2 holds the most parameters: it is traced too; when rank 0 holds the most, nothing is added.
+    assert _zero1_worst_rank(s, {"rank": 0, "coords": coords, "zero1_partition_numel": [5, 6, 9, 6]}) == 2
+    assert _zero1_worst_rank(s, {"rank": 0, "coords": coords, "zero1_partition_numel": [9, 6, 9, 6]}) is None
+
+
+# --- the record ----------------------------------------------------------------------------------
+
+
+def _traced(rank, peak):
+    return {"rank": rank, "peak_allocated_bytes": peak, "memory_method": MEMORY_METHOD, "categories": {}}
+
+
+def test_record_over_capacity_is_a_fake_oom_with_its_peak_and_no_timing():
+    s = spec("tiny")  # device cpu: 1 GiB
+    row = fake_record(s, [_traced(0, 2 * 2**30)], wall_s=1.0, timeout_s=10)
+    assert (row["status"], row["oom_source"], row["peak_allocated_bytes"]) == ("oom", "fake", 2 * 2**30)
+    assert "step_time_s" not in row and "mfu" not in row
+    ok = fake_record(s, [_traced(0, 3 * MIB), _traced(4, 5 * MIB)], wall_s=1.0, timeout_s=10)
+    assert (ok["status"], ok["worst_rank"], ok["fake_traced_ranks"]) == ("ok", 4, [0, 4])
+
+
+def test_an_untraceable_rank_makes_the_point_invalid_with_the_reason():
+    row = fake_record(spec("tiny"), [{"rank": 0, "error": "RuntimeError: boom"}], wall_s=1.0, timeout_s=10)
+    assert row["status"] == "invalid"
+    assert "fake mode cannot trace rank 0: RuntimeError: boom" in row["error"]
+
+
+def test_layouts_the_runner_refuses_are_invalid_before_tracing():
+    s = spec("tiny", parallel_pp=2, parallel_dp=2, parallel_zero_stage=1, train_num_microbatches=2)
+    row = run_fake(s)
+    assert row["status"] == "invalid" and "zero_stage 1" in row["error"]
+
+
+def test_harness_run_fake_prints_a_normal_row():
+    out = harness_cli(
+        "run", "run.mode=fake", "model=tiny", "parallel.dp=2", "parallel.zero_stage=3", "format=json"
+    )
+    assert out.returncode == 0, out.stderr
+    row = json.loads(out.stdout)
+    assert (row["status"], row["memory_method"], row["fake_traced_ranks"]) == ("ok", MEMORY_METHOD, [0])
+    assert row["mem_params_bytes"] == row["est_params_bytes"]  # FSDP: the FP32 shard, 4 B × n / 2
+    assert "step_time_s" not in row
+    bad = harness_cli("run", "run.mode=dream", "model=tiny")
+    assert bad.returncode == 2 and "run.mode" in bad.stderr
+
+
+# --- every layout ----------------------------------------------------------------------------------
+
+LAYOUTS = {
+    "ddp": {"parallel_dp": 2, "parallel_zero_stage": 0},
+    "ddp_zero1": {"parallel_dp": 2, "parallel_zero_stage": 1},
+    "ddp_tp": {"parallel_dp": 2, "parallel_tp": 2, "parallel_zero_stage": 0},
+    "fsdp_dp_tp": {"parallel_dp": 2, "parallel_tp": 2, "parallel_zero_stage": 3},
+    "fsdp_dp_cp": {"parallel_dp": 2, "parallel_cp": 2, "parallel_zero_stage": 2},
+    "cp_balanced": {"parallel_cp": 2, "parallel_cp_load_balance": True},
+    "pp_1f1b_dp": {"parallel_pp": 2, "parallel_dp": 2, "train_num_microbatches": 2},
+    "pp_gpipe": {"parallel_pp": 2, "parallel_pp_schedule": "gpipe", "train_num_microbatches": 2},
+    "pp_interleaved": {
+        "parallel_pp": 2,
+        "parallel_pp_schedule": "interleaved_1f1b",
+        "parallel_virtual_stages": 2,
+        "train_num_microbatches": 2,
+    },
+}
+
+
+def _trace(s, rank):
+    from harness.runner.fake import trace_rank
+
+    return {"rank": rank, **trace_rank(s, rank)}
+
+
+def _trace_all(s):
+    """The record run_fake makes, each rank traced in a spawned process of its own (as run_fake forks
+    one: a fake mode's tensors must not meet another's)."""
+    ranks = [in_fresh_process(_trace, s, r) for r in traced_ranks(s)]
+    return fake_record(s, ranks, wall_s=0.0, timeout_s=60), ranks
+
+
+FAST = ("ddp", "fsdp_dp_tp", "pp_1f1b_dp")  # the rest (each 6-25 s here) run with -m slow
+
+
+@pytest.mark.parametrize(
+    "name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in LAYOUTS]
+)
+def test_every_runner_layout_is_traced(name):
+    s = spec("tiny", train_seq_len=128, **LAYOUTS[name])
+    row, ranks = _trace_all(s)
+    assert row["status"] == "ok", row["error"]
+    assert [r["coords"]["pp"] for r in ranks] == list(range(s.parallel.pp))
+    # Every rank holds optimizer state (DDP + TP's parameters, swapped to local tensors by
+    # _pre_dp_module_transform, are counted as "other" rather than "params", as in a real CPU run).
+    assert all(r["categories"]["optimizer"] > 0 for r in ranks)
+    assert all(r["peak_allocated_bytes"] > r["categories"]["optimizer"] for r in ranks)
+    if name == "ddp_zero1":
+        assert len(ranks[0]["zero1_partition_numel"]) == 2
+
+
+def test_ddp_buckets_are_the_gradients_and_are_rebuilt_once():
+    from harness.runner.fake_ddp import BUCKET_CAP_BYTES, bucket_sizes
+
+    class P:  # a parameter's size and dtype are all the assignment reads
+        def __init__(self, n):
+            self.n, self.dtype = n, "fp32"
+
+        def numel(self):
+            return self.n
+
+        def element_size(self):
+            return 4
+
+    params = [P(n) for n in (1000, 300_000, 4 * MIB, 7 * MIB, 10)]
+    # Reverse order; the first bucket closes past 1 MiB (10 + 7 Mi elements · 4 B), later ones past 25 MiB.
+    assert bucket_sizes(params) == [[4, 3], [2, 1, 0]]
+    assert 4 * MIB * 4 < BUCKET_CAP_BYTES
+
+
+@pytest.mark.slow
+def test_ddp_fake_run_matches_the_real_rank():
+    """The explicit buckets against the real reducer: a real CPU run's allocator peak (which sees the
+    C++ buckets) and the fake run of the same point."""
+    from harness.runner.dryrun import dry_run_peak
+    from harness.runner.supervisor import run_point
+
+    s = spec("small", train_precision="fp32", train_seq_len=256, train_micro_batch_size=2, parallel_dp=2)
+    real = run_point(s, timeout_s=240)
+    assert real["status"] == "ok", real["error"]
+    fake = in_fresh_process(dry_run_peak, s)["peak_allocated_bytes"]
+    assert fake == pytest.approx(real["per_rank_peak_bytes"][0], rel=0.03)
+
+
+# --- CUDA's kernels (fake_kernels.py), each difference pinned --------------------------------------
+
+
+def _saved_bytes(fn, *inputs) -> int:
+    """Bytes of the distinct storages autograd saves while ``fn(*inputs)`` runs forward."""
+    import torch
+
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        seen[st._cdata] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*inputs)
+    return sum(seen.values()), out
+
+
+class _Live:
+    """Live bytes of the storages created under it (fake tensors included) and their peak."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        live, state = {}, {"now": 0, "peak": 0}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                import torch
+
+                out = func(*args, **(kwargs or {}))
+                for t in out if isinstance(out, (tuple, list)) else [out]:
+                    if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in live:
+                        st = t.untyped_storage()
+                        live[st._cdata] = st.nbytes()
+                        state["now"] += st.nbytes()
+                        state["peak"] = max(state["peak"], state["now"])
+                        weakref.finalize(
+                            st, lambda k=st._cdata: state.__setitem__("now", state["now"] - live.pop(k))
+                        )
+                return out
+
+        self.mode, self.state = Mode(), state
+
+
+def test_rms_norm_saves_the_input_and_fp32_rstd_on_cuda_not_two_fp32_copies():
+    import torch
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from harness.runner.fake_kernels import cuda_kernels
+
+    s, h = 64, 128
+    with FakeTensorMode():
+        x = torch.empty(1, s, h, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.empty(h, dtype=torch.bfloat16, requires_grad=True)
+        cpu, _ = _saved_bytes(lambda: F.rms_norm(x, (h,), w, 1e-5))
+        with cuda_kernels():
+            cuda, out = _saved_bytes(lambda: F.rms_norm(x, (h,), w, 1e-5))
+            out.sum().backward()
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape
+    # CUDA (_fused_rms_norm): input 2 B·s·h + rstd 4 B·s + weight 2 B·h.
+    assert cuda == 2 * s * h + 4 * s + 2 * h
+    # CPU composite: FP32 upcast input and FP32 normalised tensor (4 + 4 B·s·h), rstd, weight.
+    assert cpu == 8 * s * h + 4 * s + 2 * h
+
+
+def test_flash_attention_saves_what_cpu_flash_saves_plus_philox_state():
+    import torch
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from harness.runner.fake_kernels import cuda_kernels
+
+    b, hq, hk, s, d = 1, 8, 2, 256, 64
+    with FakeTensorMode():
+        q = torch.empty(b, hq, s, d, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.empty(b, hk, s, d, dtype=torch.bfloat16, requires_grad=True)
+        v = torch.empty(b, hk, s, d, dtype=torch.bfloat16, requires_grad=True)
+
+        def attn():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        def backward_peak(kernels) -> int:
+            with kernels:
+                out = attn()
+                grad = torch.empty_like(out)
+                live = _Live()
+                with live.mode:
+                    out.backward(grad)
+            return live.state["peak"]
+
+        cpu, _ = _saved_bytes(attn)
+        with cuda_kernels():
+            cuda, _ = _saved_bytes(attn)
+        cpu_bwd = backward_peak(contextlib.nullcontext())
+        cuda_bwd = backward_peak(cuda_kernels())
+    # Both: q, k, v, out (bf16) and the FP32 logsumexp (b, hq, s); CUDA adds rng_state (16 B) + unused (8 B).
+    both = 2 * (2 * b * hq * s * d + 2 * b * hk * s * d) + 4 * b * hq * s
+    assert cpu == both
+    assert cuda == both + 16 + 8
+    # Flash's mha_bwd workspace beside dq, dk, dv: softmax_d FP32 (b, hq, 256), dq_accum FP32
+    # (b, 256, hq, 64) and the GQA-expanded dk, dv (b, s, hq, d) in bf16; the CPU kernel has none.
+    workspace = 4 * b * hq * 256 + 4 * b * 256 * hq * 64 + 2 * 2 * b * s * hq * d
+    grads = 2 * (b * hq * s * d + 2 * b * hk * s * d)
+    grad_out_copy = 2 * b * hq * s * d  # the incoming gradient, made contiguous for the (b, s, h, d) output
+    assert cuda_bwd == grads + grad_out_copy + workspace
+    assert cpu_bwd < cuda_bwd - workspace // 2
+
+
+def test_foreach_adamw_step_allocates_one_fp32_copy_of_the_states_on_either_device():
+    """No CUDA difference: the same _multi_tensor_adam runs; its one large intermediate is
+    _foreach_sqrt(exp_avg_sq) (harness/estimate/buffers.py optimizer_step)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        params = [torch.nn.Parameter(torch.empty(1000, 100)) for _ in range(3)]
+        opt = torch.optim.AdamW(params, foreach=True)
+        for q in params:
+            q.grad = torch.empty_like(q)
+        opt.step()  # the states appear
+        live = _Live()
+        with live.mode:
+            opt.step()
+    # 3 × 1000·100 FP32 elements = 1.2 MB, plus the step counters' scalars.
+    assert 4 * 300_000 <= live.state["peak"] < 4 * 300_000 + 4096
+
+
+def test_bf16_loss_upcast_is_the_same_with_cuda_kernels():
+    """The loss is FP32 by code (compose.loss_fn), not by kernel: 12 B per logit at its backward
+    (saved FP32 log-softmax, the FP32 gradient of it, the FP32 gradient of the upcast logits)."""
+    import torch
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from harness.runner.fake_kernels import cuda_kernels
+    from harness.runner.parallel.compose import loss_fn
+
+    s, v = 128, 1000
+    peaks = []
+    for kernels in (False, True):
+        with FakeTensorMode():
+            logits_in = torch.empty(1, s, 64, dtype=torch.bfloat16, requires_grad=True)
+            w = torch.empty(v, 64, dtype=torch.bfloat16, requires_grad=True)
+            tgt = torch.randint(0, v, (1, s))
+            live = _Live()
+            kernels_cm = cuda_kernels() if kernels else contextlib.nullcontext()
+            with kernels_cm, live.mode:
+                loss_fn(F.linear(logits_in, w), tgt).backward()
+            peaks.append(live.state["peak"])
+    assert peaks[0] == peaks[1]
+    assert peaks[0] >= 12 * s * v
+
+
+def test_torch_engine_counts_cuda_fused_rms_norm_on_gpu_presets():
+    """Issue 14's 8B gap: the engine counted the CPU composite norm's two tensors per norm on GPUs.
+    Llama-3-8B, s 8192, b 1, BF16: per layer 2 B · s·h · (12 + 4k/a + 8f/h) = 2 · 33,554,432 ·
+    (12 + 1 + 28)/2 = 41 B per s·h (ESTIMATOR.md 3's 41.0) on a GPU; on the CPU the engine keeps the
+    normalised output too, one more s·h tensor per norm."""
+    from harness.estimate import estimate
+
+    kw = {"parallel_dp": 8, "parallel_zero_stage": 3, "train_seq_len": 8192, "train_precision": "bf16"}
+    gpu = estimate(spec("llama3_8b", "h100_94gb", **kw)).worst.terms["activations"]
+    cpu = estimate(spec("llama3_8b", "cpu", **kw)).worst.terms["activations"]
+    sh = 8192 * 4096
+    assert gpu == 32 * 41 * sh
+    assert cpu - gpu == 32 * 2 * (2 * sh)  # 32 layers × 2 norms × one BF16 s·h tensor
+
+
+@pytest.mark.slow
+def test_cpu_and_cuda_kernels_differ_by_the_norms_on_a_moderate_point():
+    """Llama-3-8B cut to 2 layers, dp 8, ZeRO-3, s 8192, BF16 (7 s per trace here): the CPU kernels'
+    trace holds 12 B per s·h per layer more (two norms × (FP32 upcast + FP32 normalised − BF16 input)
+    = 2 × (4 + 4 − 2)), plus the final norm's 6 B per s·h."""
+    s = spec("llama3_8b", "h100_94gb", parallel_dp=8, parallel_zero_stage=3, train_seq_len=8192)
+    s = dataclasses.replace(s, model=dataclasses.replace(s.model, num_layers=2))
+    cpu = in_fresh_process(_trace_kernels, s, "cpu")
+    cuda = in_fresh_process(_trace_kernels, s, "cuda")
+    sh = 8192 * 4096
+    assert cpu - cuda == pytest.approx((2 * 12 + 6) * sh, rel=0.01)
+
+
+def _trace_kernels(s, kernels):
+    from harness.runner.fake import trace_rank
+
+    return trace_rank(s, 0, kernels=kernels)["peak_allocated_bytes"]
+
+
+def test_torch_engine_holds_the_fp32_gradient_of_the_upcast_logits_at_the_loss():
+    """Traced (run.mode=fake, Llama-3-8B BF16, 2 layers, s 4096): at the loss's backward peak three FP32
+    logits-sized tensors are alive — the saved log-softmax, its gradient, and the gradient of the FP32
+    logits — 12 B per logit; the engine's loss (8 B) + logits term, now FP32 (4 B), not BF16 (2 B)."""
+    from harness.estimate import estimate
+
+    s = spec("llama3_8b", "h100_94gb", parallel_dp=8, parallel_zero_stage=3, train_seq_len=4096)
+    terms = estimate(s).worst.terms
+    sv = 4096 * 128_256
+    assert (terms["logits"], terms["loss"]) == (4 * sv, 8 * sv)
