@@ -183,7 +183,19 @@ def test_torch_pipeline_receive_buffers_per_virtual_stage():
     # runner: 24 buffers of s·b·h for 8 micro-batches on each rank).
     s = replace(s, parallel_pp_schedule="interleaved_1f1b", parallel_virtual_stages=2)
     m, p, t = s.model, s.parallel, s.train
-    assert [buf.pp_p2p(m, p, t, stage=i, engine="torch") for i in (0, 1)] == [24 * one, 24 * one]
+    # … plus the sends the runtime schedule keeps until the step ends (issue 15), at the last forward:
+    # rank 0's warm-up (2 − 1)·2 + 2·1 = 4, so 16 − 4 − 1 = 11 backwards done, over chunks 0 (1 kept
+    # each: its activation send) and 2 (2: activation and gradient): 11·3//2 = 16; rank 1's warm-up
+    # 2, 13 done over chunks 1 (2) and 3 (1, the gradient): 13·3//2 = 19.
+    assert [buf.interleaved_sends_kept(p, t, stage=i) for i in (0, 1)] == [16, 19]
+    assert [buf.pp_p2p(m, p, t, stage=i, engine="torch") for i in (0, 1)] == [40 * one, 43 * one]
+    # Plain 1F1B waits on each send as it goes: nothing kept.
+    assert (
+        buf.interleaved_sends_kept(
+            replace(s, parallel_pp_schedule="1f1b", parallel_virtual_stages=1).parallel, t, stage=0
+        )
+        == 0
+    )
 
 
 def test_op_policy_keeps_its_save_list():

@@ -209,6 +209,8 @@ def _state_terms(
     step_grads = 0
     if grads_at_peak == "none":  # made in backward, gone after the step: the step's term only
         states["grads"], step_grads = 0, states["grads"]
+    elif grads_at_peak == "kept_and_accumulated":  # DDP's buckets and no_sync's own gradients
+        states["grads"] *= 2
     elif grads_at_peak == "accumulated" and zero >= 2:  # FSDP2 accumulates them unsharded
         states["grads"] = act.elem_bytes(precision) * n
     items = (
