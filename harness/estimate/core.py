@@ -242,6 +242,12 @@ def _stage(spec: RunSpec, stage: int, engine: str) -> StageEstimate:
         extra = max(0, buf.fsdp_root_regather(m, p, t, stage=stage) - terms["logits"] - terms["loss"])
         terms["fsdp_allgather"] += extra
         buffers += extra
+        # The end of backward, the root's own reduce-scatter: a third candidate peak, the larger one
+        # when full recomputation leaves few activations (buffers.fsdp_backward_end).
+        end = buf.fsdp_backward_end(m, p, t, stage=stage) - terms["grads"]
+        extra = max(0, end - (buffers + activations))
+        terms["fsdp_allgather"] += extra
+        buffers += extra
     return StageEstimate(stage, terms, states + max(buffers + activations, step))
 
 
