@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from harness.estimate import activations as act
 from harness.estimate.activations import elem_bytes
-from harness.estimate.params import layer_params, non_layer_params
+from harness.estimate.params import layer_params, non_layer_params, stage_params
 from harness.specs import ModelSpec, ParallelSpec, TrainSpec
 
 
@@ -46,6 +46,23 @@ def fsdp_root_regather(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: in
     root = non_layer_params(m, stage=stage, pp=p.pp, tp=p.tp)
     grad_out = e * t.seq_len * t.micro_batch_size * m.vocab_size // act.vocab_shards(p, engine="torch")
     return 2 * e * root + grad_out
+
+
+def fsdp_backward_end(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int) -> int:
+    """torch, ZeRO-3: what the last stage's rank holds beyond parameters and optimizer state at the end
+    of backward, when FSDP2 reduces the root's gradients: every layer's sharded FP32 gradients
+    (4n/(d·c)), the root unsharded (its all-gather output and parameters, 2·e·root — as
+    :func:`fsdp_root_regather`) and one vocabulary matrix's dense gradient, e·v·h/t.
+
+    Found on ``medium`` (v 16,384, h 384, FP32) with full recomputation at dp 2 and dp 4, where this is
+    the peak (issue 15: -14 % and -9.5 %): the measured peak less the states is 4n/d + 133.8 MiB at
+    both; 2·e·root = 96 MiB and e·v·h = 24 MiB account for 120, the rest being the rotary tables
+    (1.5 MiB) and 12.4 MiB the tracker does not see, neither modelled."""
+    e = elem_bytes(t.precision)
+    n = stage_params(m, stage=stage, pp=p.pp, tp=p.tp)
+    shards = p.dp * p.cp
+    root = non_layer_params(m, stage=stage, pp=p.pp, tp=p.tp)
+    return -(-4 * n // shards) + 2 * e * root + e * m.vocab_size * m.hidden_size // p.tp
 
 
 def grad_reduce(m: ModelSpec, *, tp: int, zero_stage: int, shards: int, engine: str) -> int:

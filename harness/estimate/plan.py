@@ -35,7 +35,7 @@ class PlanOptions:
     global_batch_size: int | None = None
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
-    recompute: tuple[str, ...] = ("none", "selective", "full")
+    recompute: tuple[str, ...] = ("none", "selective", "op", "full")
     pp_schedules: tuple[str, ...] = ("1f1b", "interleaved_1f1b")
     virtual_stages: tuple[int, ...] = (2,)
     max_tp: int = 8
