@@ -70,10 +70,12 @@ def _optimizers(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]
     return [optimizer, local] if isinstance(local, torch.optim.Optimizer) else [optimizer]
 
 
-def _live_device_tensors(device: torch.device) -> Iterator[torch.Tensor]:
+def _live_device_tensors(device: torch.device, *, fake: bool) -> Iterator[torch.Tensor]:
     """One tensor per live storage on ``device`` that Python can reach (DTensors by their local shard),
-    found through the garbage collector, in its order (roughly creation order). Fake tensors count too:
-    in a dry run they stand for the real rank's storages (pipeline buffers made in the warm-up step)."""
+    found through the garbage collector, in its order (roughly creation order). ``fake``: the fake
+    tensors only (a fake run: they stand for the real rank's storages, such as pipeline buffers made in
+    the warm-up step), else the real ones only — a rank forked from a process that traced a fake run
+    (the test suite does) inherits its fake tensors, which hold no memory here."""
     import gc
 
     from torch._subclasses.fake_tensor import FakeTensor
@@ -85,7 +87,7 @@ def _live_device_tensors(device: torch.device) -> Iterator[torch.Tensor]:
         if not issubclass(type(obj), torch.Tensor):  # (isinstance would wake deprecated module proxies)
             continue
         t = obj._local_tensor if isinstance(obj, DTensor) else obj
-        if not (type(t) in (torch.Tensor, nn.Parameter) or isinstance(t, FakeTensor)):
+        if not (isinstance(t, FakeTensor) if fake else type(t) in (torch.Tensor, nn.Parameter)):
             continue
         if t.device != device or t.is_meta:
             continue
@@ -96,11 +98,11 @@ def _live_device_tensors(device: torch.device) -> Iterator[torch.Tensor]:
         yield t
 
 
-def _untracked_live_tensors(tracker: Any, device: torch.device) -> list[torch.Tensor]:
+def _untracked_live_tensors(tracker: Any, device: torch.device, *, fake: bool) -> list[torch.Tensor]:
     """The live storages' tensors on ``device`` that ``tracker`` does not know yet: what an
     allocator-level count would include."""
     known = tracker._WINFO
-    return [t for t in _live_device_tensors(device) if t.untyped_storage() not in known]
+    return [t for t in _live_device_tensors(device, fake=fake) if t.untyped_storage() not in known]
 
 
 # The CUDA stream an allocation would be made on, where the runner knows it: FSDP2 allocates its
@@ -151,19 +153,24 @@ class _AllocatorPeak:
                 self.peak_bytes = max(self.peak_bytes, int(f.total_allocated))
                 found.append((event.start_time_ns, len(found), int(f.ptr), int(f.alloc_size), event))
         sizes: dict[int, tuple[int, int]] = {}
+        late: dict[int, int] = {}  # frees still to come for blocks whose free was inferred
         self.inferred_frees = 0
         for t_ns, _, ptr, size, event in sorted(found, key=lambda e: e[:2]):
             if size > 0:
                 if ptr in sizes:
                     # An address handed out again proves the block was freed, though no free was seen
                     # before it in time order (events of the autograd thread and the main thread that
-                    # share a timestamp, seen on DDP and FSDP2 points): the free goes here.
+                    # share a timestamp): the free goes here, and the old block's own free, which the
+                    # profiler records for every block it saw allocated, is skipped when it comes.
                     old, old_stream = sizes.pop(ptr)
                     self.events.append(_trace_event("free_completed", ptr, old, old_stream, t_ns))
                     self.inferred_frees += 1
+                    late[ptr] = late.get(ptr, 0) + 1
                 stream = _stream_of(event)
                 sizes[ptr] = (size, stream)
                 self.events.append(_trace_event("alloc", ptr, size, stream, t_ns))
+            elif late.get(ptr):
+                late[ptr] -= 1
             elif ptr in sizes:
                 size, stream = sizes.pop(ptr)
                 self.events.append(_trace_event("free_completed", ptr, size, stream, t_ns))
@@ -184,7 +191,8 @@ def _trace_event(action: str, addr: int, size: int, stream: int, time_ns: int = 
 def live_storages(device: torch.device) -> list[tuple[int, int]]:
     """(address, bytes) of every tensor storage alive on ``device`` that Python can reach."""
     return [
-        (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in _live_device_tensors(device)
+        (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        for t in _live_device_tensors(device, fake=False)
     ]
 
 
@@ -239,7 +247,7 @@ class PeakMemory:
         # given, and what earlier steps left (pipeline receive buffers, DDP's gradient buckets, which
         # the gradients are views of) would be missing from its peak. They start as "other"; a bucket
         # turns "grads" when backward hands out its views.
-        tracker.track_external(*_untracked_live_tensors(tracker, self.device))
+        tracker.track_external(*_untracked_live_tensors(tracker, self.device, fake=not self.allocator))
         baseline = int(tracker.get_tracker_snapshot().get(self.device, {}).get("Total", 0))
         start_live = live_storages(self.device) if self.allocator else []
         self.tracker = tracker
