@@ -54,6 +54,12 @@ def main() -> None:
             f"replayed reserved / measured allocated: median {pd.Series(ratio).median():.3f}, "
             f"p95 {pd.Series(ratio).quantile(0.95):.3f} ({len(ratio)} runs)"
         )
+        alloc = data.frame["sim_peak_allocated_bytes"].to_numpy(dtype=float)
+        own = pd.Series((alloc / measured)[m & (alloc > 0)])
+        print(
+            f"replayed allocated / measured allocated: median {own.median():.4f}, below 0.98 on "
+            f"{(own < 0.98).mean():.1%} of runs, min {own.min():.3f}"
+        )
 
 
 if __name__ == "__main__":
