@@ -140,19 +140,12 @@ def test_layout_matches_single_rank(layout, reference):
 # Tied embeddings (issue 15): tensor parallelism used to give the head a matrix of its own, and the
 # pipeline's two copies (embedding on the first stage, head on the last) were never summed.
 TIED_LAYOUTS = {
-    "tp2-sp": dict(parallel_tp=2, train_micro_batch_size=4),
-    "tp2-nosp": dict(parallel_tp=2, parallel_sequence_parallel=False, train_micro_batch_size=4),
-    "dp2-tp2-zero1": dict(parallel_dp=2, parallel_tp=2, parallel_zero_stage=1, train_micro_batch_size=2),
-    "dp2-tp2-zero3": dict(parallel_dp=2, parallel_tp=2, parallel_zero_stage=3, train_micro_batch_size=2),
+    # the untied layouts of the same name, run tied
+    **{
+        k: LAYOUTS[k]
+        for k in ("tp2-sp", "tp2-nosp", "dp2-tp2-zero1", "dp2-tp2-zero3", "pp2-1f1b", "pp2-interleaved")
+    },
     "cp2": dict(parallel_cp=2, train_micro_batch_size=4),
-    "pp2-1f1b": dict(parallel_pp=2, train_micro_batch_size=2, train_num_microbatches=2),
-    "pp2-interleaved": dict(
-        parallel_pp=2,
-        parallel_pp_schedule="interleaved_1f1b",
-        parallel_virtual_stages=2,
-        train_micro_batch_size=2,
-        train_num_microbatches=2,
-    ),
     "pp2-tp2": dict(parallel_pp=2, parallel_tp=2, train_micro_batch_size=2, train_num_microbatches=2),
 }
 
