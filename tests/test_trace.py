@@ -4,6 +4,7 @@ readable by PyTorch's own memory_viz, and replayed into the record's simulated r
 from __future__ import annotations
 
 import json
+
 from conftest import spec
 from torch.cuda import _memory_viz
 
