@@ -267,15 +267,10 @@ def accuracy(data: Dataset, predicted: np.ndarray) -> dict[str, Any]:
     err = (predicted[m] - y[m]) / y[m]
     util = predicted / data.capacity
     oom, ok = data.oom, ~data.oom
-    safe = float(util[oom].min()) if oom.any() else None
     return {
         "runs": len(y),
         "measured_runs": int(m.sum()),
-        "median_ape": float(np.median(np.abs(err))),
-        "p95_ape": float(np.percentile(np.abs(err), 95)),
-        "max_under_prediction": float(max(0.0, (-err).max())),
-        "safe_threshold": safe,
-        "excluded_at_safe": int((ok & (util >= safe)).sum()) if safe is not None else 0,
+        **frag.held_out_figures(err, util, ran_out=oom, fitted=ok),
         "oom_below_paper_threshold": int((oom & (util <= PAPER_THRESHOLD)).sum()),
         "excluded_at_paper_threshold": int((ok & (util > PAPER_THRESHOLD)).sum()),
     }

@@ -97,6 +97,21 @@ def apply(section: dict[str, Any], *, transient: float, states: float) -> float:
     )
 
 
+def held_out_figures(err: np.ndarray, util: np.ndarray, *, ran_out: np.ndarray, fitted: np.ndarray) -> dict:
+    """Errors and the safe threshold, as every level is judged: ``err`` the relative errors of the runs
+    with a measurement, ``util`` each run's predicted utilisation; the safe threshold is the lowest
+    utilisation of a run that ran out (None when none did), and ``excluded_at_safe`` counts the runs
+    that fitted at or above it."""
+    safe = float(util[ran_out].min()) if ran_out.any() else None
+    return {
+        "median_ape": float(np.median(np.abs(err))),
+        "p95_ape": float(np.percentile(np.abs(err), 95)),
+        "max_under_prediction": float(max(0.0, (-err).max())),
+        "safe_threshold": safe,
+        "excluded_at_safe": int((fitted & (util >= safe)).sum()) if safe is not None else 0,
+    }
+
+
 @dataclass
 class ReservedFit:
     model: FragmentationModel
@@ -134,16 +149,10 @@ def evaluate_reserved(
     err = (held[rows] - reserved[rows]) / reserved[rows]
     util = held / capacity
     over = rows & (reserved > capacity)  # would have run out at the reserved level
-    fits = rows & ~over
-    safe = float(util[over].min()) if over.any() else None
     metrics = {
         "target": column,
         "runs": int(rows.sum()),
-        "median_ape": float(np.median(np.abs(err))),
-        "p95_ape": float(np.percentile(np.abs(err), 95)),
-        "max_under_prediction": float(max(0.0, (-err).max())),
-        "safe_threshold": safe,
-        "excluded_at_safe": int((fits & (util >= safe)).sum()) if safe is not None else 0,
+        **held_out_figures(err, util, ran_out=over, fitted=rows & ~over),
         "median_fragmentation_share": float(np.median(extra[rows] / reserved[rows])),
     }
     return ReservedFit(final, column, held, metrics)

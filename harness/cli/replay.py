@@ -20,7 +20,6 @@ def _int_or_none(value, key: str) -> int | None:
 
 def replay_command(overrides: Sequence[str]) -> int:
     from harness.alloc import load_trace, replay
-    from harness.cli.render import human as human_bytes
 
     cfg = compose(overrides)
     fmt = cfg["format"]
@@ -50,11 +49,13 @@ def replay_command(overrides: Sequence[str]) -> int:
         result.segments_at_reserved_peak = replay(
             events, stop_at=result.reserved_peak_event, **options
         ).segments_at_reserved_peak
-    print(replay_table(result, human_bytes))
+    print(replay_table(result))
     return 0
 
 
-def replay_table(result, human_bytes) -> str:
+def replay_table(result) -> str:
+    from harness.cli.render import human as human_bytes
+
     lines = [
         f"events replayed:      {result.num_events}",
         f"peak allocated:       {human_bytes(result.peak_allocated_bytes)}",
@@ -69,8 +70,11 @@ def replay_table(result, human_bytes) -> str:
     ]
     segs = result.segments_at_reserved_peak
     if segs:
-        lines += ["", "segments at the reserved peak:", f"{'pool':6} {'stream':>8} {'size':>12} "
-                  f"{'allocated':>12} {'blocks':>7}  free in segment"]
+        lines += [
+            "",
+            "segments at the reserved peak:",
+            f"{'pool':6} {'stream':>8} {'size':>12} {'allocated':>12} {'blocks':>7}  free in segment",
+        ]
         # The largest segments first: they are where the fragmentation is.
         for s in sorted(segs, key=lambda s: -s["size"])[:40]:
             free = human_bytes(s["size"] - s["allocated"])
