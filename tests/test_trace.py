@@ -34,10 +34,11 @@ def test_a_run_writes_one_trace_per_rank_and_its_replay_is_the_record(tmp_path):
     assert record["sim_fragmentation_bytes"] == top.fragmentation_bytes
     # Reserved holds allocated. The replay's allocated peak is the same requests rounded to 512 B blocks,
     # counted from the storages Python reaches at the step's start where the measured one starts from
-    # MemTracker's count: never far above the measured peak. It can fall short of it (run alone this
-    # point agrees within 0.1 %; inside the whole test suite the replay read 26.6 MB against 29.8 MB,
-    # the same on two runs): an open discrepancy, the cause not yet found, so no lower bound here.
+    # MemTracker's count: within 3 % of the measured peak either way. (It once fell 11 % short inside the
+    # whole test suite: the measured peak carried blocks freed on gloo threads and the profiler total
+    # this process inherited; see tests/test_measure.py.)
     assert record["sim_peak_reserved_bytes"] >= record["sim_peak_allocated_bytes"] > 0
+    assert 0.97 * record["peak_allocated_bytes"] <= record["sim_peak_allocated_bytes"]
     assert record["sim_peak_allocated_bytes"] <= 1.03 * record["peak_allocated_bytes"]
 
 

@@ -3,12 +3,13 @@
 CUDA: the caching allocator's own statistics (peak allocated, active, reserved bytes, retries, OOMs) and
 the device's used memory. CPU has no allocator statistics to read, so (``memory_method=cpu_allocator``)
 the peak is the c10 CPU allocator's running total over the step, as ``torch.profiler`` records it with
-``profile_memory=True``, plus every tensor storage alive when the step starts (found through the
-garbage collector: storage that only C++ objects hold at that moment would be missed). PyTorch's
-MemTracker runs beside it for the categories (parameters, gradients, optimizer state, activations,
-temporaries); its own peak (``tracker_peak_bytes``) misses what C++ allocates, such as DDP's bucket
-rebuild, and the difference is reported as ``untracked``. Both slow a step 4-7x, so the runner
-measures memory on a step of its own. A dry run (fake tensors, nothing allocated) uses MemTracker only.
+``profile_memory=True`` (counted on every thread, from where it stood when the step began), plus every
+tensor storage alive when the step starts (found through the garbage collector: storage that only C++
+objects hold at that moment would be missed). PyTorch's MemTracker runs beside it for the categories
+(parameters, gradients, optimizer state, activations, temporaries); its own peak (``tracker_peak_bytes``)
+misses what C++ allocates, such as DDP's bucket rebuild, and the difference is reported as
+``untracked``. Both slow a step 4-7x, so the runner measures memory on a step of its own. A dry run
+(fake tensors, nothing allocated) uses MemTracker only.
 """
 
 from __future__ import annotations
@@ -123,18 +124,63 @@ def _stream_of(event) -> int:
     return 0
 
 
+def _all_threads_flag():
+    """c10's ``FLAGS_caffe2_report_cpu_memory_usage`` as a ctypes bool, or None where libc10 does not
+    export it. The profiler's memory events come only from threads the profiler runs on, and the c10
+    CPU allocator's running total (``ProfiledCPUMemoryReporter`` in c10/core/CPUAllocator.cpp, torch
+    2.13) counts a free only on such a thread unless this flag is set: a block made on the main thread
+    and freed on a gloo worker thread (``_reduce_scatter_base_``'s input clone, a gradient held by a
+    gloo work object) stayed in the total until the step ended. Which thread drops the last reference
+    is a race, so measured CPU peaks were inflated on some ranks and not others (tiny, dp 2, ZeRO-3:
+    23.7 MiB, or 24.4 or 27.7 MiB on one rank, run to run; with the flag set, 23.7 MiB on every rank of
+    every run). PyTorch has no Python setter for c10 flags; the symbol is a plain exported ``bool``."""
+    import ctypes
+    import os
+
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for name in ("libc10.so", "libc10.dylib"):
+        try:
+            return ctypes.c_bool.in_dll(
+                ctypes.CDLL(os.path.join(lib_dir, name)), "FLAGS_caffe2_report_cpu_memory_usage"
+            )
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+# Synthetic addresses for blocks the c10 total shows but no profiler event names (made on a thread the
+# profiler does not run on, such as gloo's): far above any real address, so never confused with one.
+_FOREIGN_BASE = 1 << 62
+
+
 class _AllocatorPeak:
     """The CPU allocator's own running total: ``torch.profiler`` with ``profile_memory=True`` records
-    every allocation with the c10 allocator's total since the profiler started; ``peak_bytes`` is the
-    largest (0 if nothing was allocated). What was alive at the start must be added by the caller.
-    ``events``: the same allocations and frees in time order as trace events (``harness.alloc``'s format);
-    the profiler does not see frees of blocks allocated before it started, so those stay alive."""
+    every allocation with the c10 allocator's running total; ``peak_bytes`` is the largest, less the
+    total when the profiler started (0 if nothing was allocated). What was alive at the start must be
+    added by the caller. ``events``: the same allocations and frees in time order as trace events
+    (``harness.alloc``'s format).
+
+    The total is c10's, kept across the whole process (a rank forked from a process that profiled
+    before, such as the test suite, starts with that process's leftovers: hence the subtraction) and,
+    with the flag of ``_all_threads_flag`` set for the step, over every thread. The events are the
+    profiler's, from its own threads only. Where the two disagree, the total is the truth: a drop that
+    no event explains is a free on another thread (the live block of exactly that size made last is
+    freed there; ``unexplained_bytes`` counts what no block matches), a rise is an allocation on another
+    thread (a block at a synthetic address). The profiler does not see frees of blocks allocated before
+    it started, so those stay alive (``step_trace`` frees them when their address is reused)."""
 
     def __enter__(self) -> _AllocatorPeak:
         from torch.profiler import ProfilerActivity, profile
 
         self.peak_bytes = 0
         self.events: list[dict[str, Any]] = []
+        self.inferred_frees = 0
+        self.foreign_allocs = 0
+        self.unexplained_bytes = 0
+        self._flag = _all_threads_flag()
+        self._flag_was = bool(self._flag.value) if self._flag is not None else False
+        if self._flag is not None:
+            self._flag.value = True
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._prof.__enter__()
         return self
@@ -142,7 +188,11 @@ class _AllocatorPeak:
     def __exit__(self, *exc: object) -> None:
         from torch._C._profiler import _EventType
 
-        self._prof.__exit__(*exc)
+        try:
+            self._prof.__exit__(*exc)
+        finally:
+            if self._flag is not None:
+                self._flag.value = self._flag_was
         stack = list(self._prof.profiler.kineto_results.experimental_event_tree())
         found = []
         while stack:
@@ -150,30 +200,116 @@ class _AllocatorPeak:
             stack.extend(event.children)
             if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
                 f = event.extra_fields
-                self.peak_bytes = max(self.peak_bytes, int(f.total_allocated))
-                found.append((event.start_time_ns, len(found), int(f.ptr), int(f.alloc_size), event))
-        sizes: dict[int, tuple[int, int]] = {}
+                found.append(
+                    (
+                        event.start_time_ns,
+                        len(found),
+                        int(f.ptr),
+                        int(f.alloc_size),
+                        int(f.total_allocated),
+                        event,
+                    )
+                )
+        found.sort(key=lambda e: e[:2])
+        _order_by_total(found)
+        if found:
+            start = found[0][4] - found[0][3]
+            self.peak_bytes = max(0, max(e[4] for e in found) - start)
+        self._to_events(found)
+
+    def _to_events(self, found: list[tuple]) -> None:
+        # Whether each allocation's free is an event of its own (before its address is handed out
+        # again): a block whose free never shows was freed on another thread, and only such blocks can
+        # explain a drop of the total that no event shows.
+        shown = [False] * len(found)
+        open_at: dict[int, int] = {}
+        for i, (_, _, ptr, size, _, _) in enumerate(found):
+            if size > 0:
+                open_at[ptr] = i
+            elif ptr in open_at:
+                shown[open_at.pop(ptr)] = True
+        # live block → (bytes, stream, free shown, index of its alloc event), oldest first
+        sizes: dict[int, tuple[int, int, bool, int]] = {}
+        guesses: dict[int, list[tuple[int, int, int, int]]] = {}  # bytes → (event index, addr, stream, made)
         late: dict[int, int] = {}  # frees still to come for blocks whose free was inferred
-        self.inferred_frees = 0
-        for t_ns, _, ptr, size, event in sorted(found, key=lambda e: e[:2]):
+        running = found[0][4] - found[0][3] if found else 0
+        for i, (t_ns, _, ptr, size, total, event) in enumerate(found):
+            gap = (total - size) - running
+            running = total
+            if gap > 0:  # allocated on a thread the profiler does not see
+                addr = _FOREIGN_BASE + self.foreign_allocs
+                self.foreign_allocs += 1
+                sizes[addr] = (gap, 0, False, len(self.events))
+                self.events.append(_trace_event("alloc", addr, gap, 0, t_ns))
+            elif gap < 0:  # freed on such a thread: which block of that size is a guess (the oldest,
+                # as asynchronous collectives finish in order), unless this event reuses its address
+                fits = [a for a, (n, _, seen, _) in sizes.items() if n == -gap and not seen]
+                if fits:
+                    chosen = [ptr if size > 0 and ptr in fits else fits[0]]
+                else:  # several frees between two events: the oldest such blocks that add up to it
+                    chosen, left = [], -gap
+                    for a, (n, _, seen, _) in sizes.items():
+                        if not seen and n <= left:
+                            chosen.append(a)
+                            left -= n
+                    if left:
+                        chosen = []
+                        self.unexplained_bytes += -gap
+                for addr in chosen:
+                    n, stream, _, made = sizes.pop(addr)
+                    guesses.setdefault(n, []).append((len(self.events), addr, stream, made))
+                    self.events.append(_trace_event("free_completed", addr, n, stream, t_ns))
+                    self.inferred_frees += 1
             if size > 0:
                 if ptr in sizes:
-                    # An address handed out again proves the block was freed, though no free was seen
-                    # before it in time order (events of the autograd thread and the main thread that
-                    # share a timestamp): the free goes here, and the old block's own free, which the
-                    # profiler records for every block it saw allocated, is skipped when it comes.
-                    old, old_stream = sizes.pop(ptr)
-                    self.events.append(_trace_event("free_completed", ptr, old, old_stream, t_ns))
-                    self.inferred_frees += 1
-                    late[ptr] = late.get(ptr, 0) + 1
+                    # An address handed out again proves the block was freed, though no free was seen.
+                    old, old_stream, _, old_made = sizes.pop(ptr)
+                    # (a guess made after this block was allocated: its free could have been this one)
+                    wrong = [g for g in guesses.get(old, []) if g[1] != ptr and g[0] > old_made]
+                    if gap == 0 and wrong:
+                        # The total already counted that free, against another block of the same size:
+                        # the earlier guess was this block, and the other one is alive after all.
+                        idx, other, other_stream, other_made = wrong[0]
+                        guesses[old].remove(wrong[0])
+                        self.events[idx].update(addr=ptr, stream=old_stream)
+                        sizes[other] = (old, other_stream, False, other_made)
+                    else:
+                        self.events.append(_trace_event("free_completed", ptr, old, old_stream, t_ns))
+                        self.inferred_frees += 1
+                        late[ptr] = late.get(ptr, 0) + 1
                 stream = _stream_of(event)
-                sizes[ptr] = (size, stream)
+                sizes[ptr] = (size, stream, shown[i], len(self.events))
                 self.events.append(_trace_event("alloc", ptr, size, stream, t_ns))
             elif late.get(ptr):
                 late[ptr] -= 1
             elif ptr in sizes:
-                size, stream = sizes.pop(ptr)
+                size, stream, _, _ = sizes.pop(ptr)
                 self.events.append(_trace_event("free_completed", ptr, size, stream, t_ns))
+
+
+def _order_by_total(found: list[tuple]) -> None:
+    """Put the events back in the order the c10 total says they happened (in place). A profiler event's
+    time is taken after the allocator's lock is released, so a thread preempted in between records it
+    late (by 1.2 ms, seen on a tp 2 x pp 2 rank on 2 cores): at each place, the first event of the next
+    few that follows from the running total goes there; where none does, something happened on an
+    unseen thread and time order stands. ``found``: (time, index, ptr, size, total, event), by time."""
+    if not found:
+        return
+    running = found[0][4] - found[0][3]
+    for i in range(len(found)):
+        for j in range(i, min(len(found), i + _REORDER_EVENTS)):
+            if found[j][0] - found[i][0] > _REORDER_NS:
+                break
+            if found[j][4] - found[j][3] == running:
+                if j != i:
+                    found.insert(i, found.pop(j))
+                break
+        running = found[i][4]
+
+
+# How far an event may have been recorded late: the next 32 events within 20 ms.
+_REORDER_EVENTS = 32
+_REORDER_NS = 20_000_000
 
 
 def _trace_event(action: str, addr: int, size: int, stream: int, time_ns: int = 0) -> dict[str, Any]:
@@ -277,7 +413,15 @@ class PeakMemory:
             }
             events = step_trace(start_live, allocator.events)
             self.trace = {"segments": [], "device_traces": [events]}
-            self._result.update(simulated(events))
+            try:
+                self._result.update(simulated(events))
+            except ValueError as e:  # harness.alloc.TraceError: the reconstruction's fault, not the run's
+                import sys
+
+                print(
+                    f"warning: the step's allocation trace does not replay ({e}); no sim_* figures",
+                    file=sys.stderr,
+                )
         self._result["categories"] = categories
 
     def result(self) -> dict[str, Any]:
