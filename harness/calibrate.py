@@ -143,11 +143,12 @@ class Dataset:
 
     @property
     def measured(self) -> np.ndarray:
-        """Rows whose measured peak is the run's whole peak: ok runs, and simulated out-of-memory runs
-        (the CPU step completes and its peak is kept); a real CUDA OOM stops mid-step."""
+        """Rows whose measured peak is the run's whole peak: ok runs, and simulated or fake out-of-memory
+        runs (the CPU step, or the fake trace, completes and its peak is kept); a real CUDA OOM stops
+        mid-step."""
         f = self.frame
-        complete = (f["status"] == "ok") | (
-            f.get("oom_source", pd.Series(None, index=f.index)) == "simulated"
+        complete = (f["status"] == "ok") | f.get("oom_source", pd.Series(None, index=f.index)).isin(
+            ["simulated", "fake"]
         )
         return (complete & f["peak_allocated_bytes"].notna() & (f["peak_allocated_bytes"] > 0)).to_numpy()
 

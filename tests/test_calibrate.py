@@ -208,3 +208,15 @@ def test_calibrate_says_what_is_wrong_with_its_input(tmp_path):
     assert res.returncode == 2 and "is not a directory" in res.stderr
     res = harness_cli("calibrate", f"results_dir={FIXTURE}", "calibrate.group_by=node")
     assert res.returncode == 2 and "group_by='node' must be one of" in res.stderr
+
+
+def test_fake_out_of_memory_rows_keep_their_whole_peak():
+    # A fake run that exceeds the device completes its trace (harness/runner/fake.py), as a simulated
+    # CPU OOM completes its step: both peaks are whole and are fitted; a real CUDA OOM's is not.
+    from harness.calibrate import prepare
+
+    frame, _ = load_results(FIXTURE)
+    frame = frame[frame["status"] == "oom"].head(3).copy()
+    frame["peak_allocated_bytes"] = 1e9
+    frame["oom_source"] = ["fake", "simulated", "cuda"]
+    assert prepare(frame).measured.tolist() == [True, True, False]

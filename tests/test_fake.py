@@ -87,6 +87,13 @@ def test_harness_run_fake_prints_a_normal_row():
     assert (row["status"], row["memory_method"], row["fake_traced_ranks"]) == ("ok", MEMORY_METHOD, [0])
     assert row["mem_params_bytes"] == row["est_params_bytes"]  # FSDP: the FP32 shard, 4 B × n / 2
     assert "step_time_s" not in row
+    # The traced storages, replayed through the caching-allocator model, as a real CPU run's are: the
+    # same requests rounded to 512 B (within 1 % of MemTracker's peak), in segments that hold them.
+    assert (
+        row["peak_allocated_bytes"] <= row["sim_peak_allocated_bytes"] <= 1.01 * row["peak_allocated_bytes"]
+    )
+    assert row["sim_peak_reserved_bytes"] - row["sim_peak_allocated_bytes"] <= row["sim_fragmentation_bytes"]
+    assert row["sim_peak_reserved_bytes"] >= row["sim_peak_allocated_bytes"]
     bad = harness_cli("run", "run.mode=dream", "model=tiny")
     assert bad.returncode == 2 and "run.mode" in bad.stderr
 

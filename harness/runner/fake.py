@@ -22,9 +22,11 @@ What differs from the real run, and how it is handled:
   inside FakeTensorMode; the mesh construction runs with fake mode suspended (``_real_meshes``).
 - On a GPU preset the CPU's kernels are replaced by what CUDA's save and allocate
   (:mod:`harness.runner.fake_kernels`); on ``device=cpu`` the CPU kernels are the truth.
-- Not seen at all: the CUDA context, NCCL's buffers, cuBLAS/cuDNN workspaces chosen at run time, and
-  the caching allocator's rounding and fragmentation (the allocation trace is where a replay through
-  the allocator model plugs in: ``trace_recorder``).
+- Not seen at all: the CUDA context, NCCL's buffers, cuBLAS/cuDNN workspaces chosen at run time. The
+  caching allocator's rounding and fragmentation are modelled: MemTracker's record of the storages
+  made and freed in the measured step is replayed through harness/alloc.py (``sim_*`` fields, as a real
+  CPU run has), on one stream (FSDP2's all-gather stream is not known here, so its separate pool is
+  not: the reserved figure can be low where that stream's blocks would not be shared).
 
 Out of memory is judged against the device preset's capacity: status ``oom`` with ``oom_source=fake``
 when the traced peak exceeds it (the trace completes either way and its peak is kept).
@@ -40,7 +42,7 @@ import signal
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,11 +60,6 @@ TIMING_FIELDS = (
     "loss",
     "losses",
 )
-# Hook for the allocation trace: a callable returning a context manager entered around the measured
-# step, whose ``events`` (dicts {"action": "alloc"|"free_completed", "addr", "size", "stream"}) the
-# record keeps for a replay through the caching-allocator model (harness/alloc.py). None: no trace.
-TraceRecorder = Callable[[], Any]
-trace_recorder: TraceRecorder | None = None
 
 
 MODES = ("real", "fake")
@@ -305,8 +302,7 @@ def trace_rank(spec: RunSpec, rank: int, *, kernels: str | None = None) -> dict[
             tokens = torch.randint(0, spec.model.vocab_size, per_rank)
             memory = PeakMemory(par.modules, par.optimizer, cpu, allocator=False)
             train_step(par, tokens, tokens, num_microbatches=t.num_microbatches)
-            recorder = trace_recorder() if trace_recorder is not None else contextlib.nullcontext()
-            with memory.measure(), recorder as rec:
+            with memory.measure():
                 train_step(par, tokens, tokens, num_microbatches=t.num_microbatches)
         out = {
             **memory.result(),
@@ -314,8 +310,6 @@ def trace_rank(spec: RunSpec, rank: int, *, kernels: str | None = None) -> dict[
             "coords": {name: mesh[name].get_local_rank() for name in MESH_DIMS},
             "kernels": "cuda" if cuda else "cpu",
         }
-        if rec is not None and hasattr(rec, "events"):
-            out["alloc_events"] = list(rec.events)
         partition = _zero1_partition(par.optimizer)
         if partition is not None:
             out["zero1_partition_numel"] = partition

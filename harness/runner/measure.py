@@ -49,9 +49,38 @@ def _tracker_class():
     it refuses the same in a hook of its own, and MemTracker already follows FSDP2's ``resize_`` of
     unsharded parameters, so its totals stand without it.
     """
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
 
     class Tracker(MemTracker):
+        # The storages it sees made and freed, as trace events (harness.alloc's format), where no
+        # allocator reports them (fake tensors allocate nothing): set to a list to record. A storage's
+        # address is its ``_WeakRefInfo``'s id (unique while it lives); FSDP2's ``resize_`` of an
+        # unsharded parameter is a free and an allocation. Streams are not known here: all are 0.
+        trace_events: list[dict[str, Any]] | None = None
+
+        def start_trace(self) -> None:
+            """Record from here on, starting with every storage tracked now, as allocations."""
+            self.trace_events = [
+                _trace_event("alloc", id(w), w.mem_consumed, 0)
+                for w, _ in self._WINFO.values()
+                if w.mem_consumed
+            ]
+
+        def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
+            super()._update_snap(u_type, winfo, old_mem_consumed=old_mem_consumed, old_reftype=old_reftype)
+            events = self.trace_events
+            if events is None:
+                return
+            if u_type == _UpdateType.ADD:
+                events.append(_trace_event("alloc", id(winfo), winfo.mem_consumed, 0))
+            elif u_type == _UpdateType.DEL:
+                events.append(_trace_event("free_completed", id(winfo), winfo.mem_consumed, 0))
+            elif u_type == _UpdateType.SIZE:
+                if old_mem_consumed:
+                    events.append(_trace_event("free_completed", id(winfo), old_mem_consumed, 0))
+                if winfo.mem_consumed:
+                    events.append(_trace_event("alloc", id(winfo), winfo.mem_consumed, 0))
+
         def _pre_fw_hook(self, module, inputs):
             if module in self.memory_tracking and not self._mod_tracker.is_bw:
                 name = self._mod_tracker.get_known_fqn(module)
@@ -386,6 +415,8 @@ class PeakMemory:
         tracker.track_external(*_untracked_live_tensors(tracker, self.device, fake=not self.allocator))
         baseline = int(tracker.get_tracker_snapshot().get(self.device, {}).get("Total", 0))
         start_live = live_storages(self.device) if self.allocator else []
+        if not self.allocator:
+            tracker.start_trace()
         self.tracker = tracker
         allocator = _AllocatorPeak() if self.allocator else contextlib.nullcontext()
         with allocator, tracker:
@@ -400,6 +431,9 @@ class PeakMemory:
         tracked = int(peak.get("Total", sum(categories.values())))
         if not self.allocator:
             self._result = {"memory_method": "mem_tracker", "peak_allocated_bytes": tracked}
+            events, tracker.trace_events = tracker.trace_events or [], None
+            self.trace = {"segments": [], "device_traces": [events]}
+            self._simulate(events)
         else:
             # The allocator's count is the peak; MemTracker's categories say what it was made of. They
             # differ where C++ code allocates out of the tracker's sight: DDP's reducer rebuilds its
@@ -413,16 +447,19 @@ class PeakMemory:
             }
             events = step_trace(start_live, allocator.events)
             self.trace = {"segments": [], "device_traces": [events]}
-            try:
-                self._result.update(simulated(events))
-            except ValueError as e:  # harness.alloc.TraceError: the reconstruction's fault, not the run's
-                import sys
-
-                print(
-                    f"warning: the step's allocation trace does not replay ({e}); no sim_* figures",
-                    file=sys.stderr,
-                )
+            self._simulate(events)
         self._result["categories"] = categories
+
+    def _simulate(self, events: list[dict[str, Any]]) -> None:
+        try:
+            self._result.update(simulated(events))
+        except ValueError as e:  # harness.alloc.TraceError: the reconstruction's fault, not the run's
+            import sys
+
+            print(
+                f"warning: the step's allocation trace does not replay ({e}); no sim_* figures",
+                file=sys.stderr,
+            )
 
     def result(self) -> dict[str, Any]:
         return dict(self._result)
