@@ -69,7 +69,7 @@ def test_prior_settles_terms_the_data_cannot_tell_apart():
 
 def test_coefficients_are_never_negative():
     """A law with a term that does not matter (coefficient 0) and noise: the fit may reach 0, never less."""
-    X, y = synthetic(300, {"optimizer_step": 0.0, "ddp_bucket": 0.0}, constant_bytes=0, noise=0.05)
+    X, y = synthetic(300, {"optimizer_step": 0.0, "pp_p2p": 0.0}, constant_bytes=0, noise=0.05)
     model = MemoryCalibrator(alpha=0).fit(X, y)
     assert (model.coef_ >= 0).all() and model.constant_bytes_ >= 0
 

@@ -27,7 +27,6 @@ TERM_MEANINGS = {
     "param_copies": "compute-dtype (BF16) copies of the weights kept from forward to backward",
     "fsdp_allgather": "ZeRO-3: unsharded layers gathered for the current and the prefetched layer",
     "grad_reduce": "ZeRO-2/3: one layer's unsharded gradients before their reduce-scatter",
-    "ddp_bucket": "DDP's gradient buckets for the all-reduce",
     "tp_allgather": "sequence parallel: the full-sequence buffer at a layer boundary",
     "pp_p2p": "pipeline send/receive buffers of a stage-boundary activation",
     "cp_kv_allgather": "context parallel: one layer's gathered K and V",

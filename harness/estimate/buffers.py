@@ -76,19 +76,6 @@ def grad_reduce(m: ModelSpec, *, tp: int, zero_stage: int, shards: int, engine: 
     return 4 * layer_params(m, tp=tp)
 
 
-def ddp_bucket(n: int, *, pp: int, zero_stage: int, shards: int, engine: str) -> int:
-    """DDP's second set of gradient buckets: its C++ reducer rebuilds the buckets once, in the second
-    step's forward (in the order the first backward produced the gradients), while the first set is
-    still alive — a second copy of the FP32 gradients (4 B per parameter) at that step's peak. The
-    runner measures from the second step on, as a real job's memory must hold it; measured on the CPU
-    study (+4n against MemTracker, which does not see the C++ allocation, and the allocator back to
-    one set from the third step). Under pipelining the runner replicates with FSDP2's ``replicate``,
-    which has no such buckets; Megatron reduces its contiguous gradient buffer in place."""
-    if engine != "torch" or zero_stage >= 2 or shards == 1 or pp > 1:
-        return 0
-    return 4 * n
-
-
 def optimizer_step(n: int, *, zero_stage: int, shards: int, engine: str) -> int:
     """A ``foreach`` AdamW step's intermediates: ``torch._foreach_sqrt(exp_avg_sq)`` allocates one FP32
     tensor per parameter of the (local) group; the other updates are in place. Megatron's fused Adam

@@ -33,7 +33,6 @@ BUFFER_TERMS = (
     "param_copies",
     "fsdp_allgather",
     "grad_reduce",
-    "ddp_bucket",
     "tp_allgather",
     "pp_p2p",
     "cp_kv_allgather",
@@ -46,11 +45,9 @@ FLOPS_CONVENTION = "megatron"
 
 
 def peak_bytes(terms: dict[str, int]) -> int:
-    """The one sum: states + max(forward/backward terms, optimizer-step terms). DDP's rebuilt buckets
-    (``ddp_bucket``) are on both sides: made in the measured step's forward, they live through its
-    optimizer step (issue 15: small, cp 8, s 512, whose peak is the step, was 7.8 % under)."""
+    """The one sum: states + max(forward/backward terms, optimizer-step terms)."""
     get = terms.__getitem__
-    step = sum(map(get, STEP_TERMS)) + get("ddp_bucket")
+    step = sum(map(get, STEP_TERMS))
     return sum(map(get, STATE_TERMS)) + max(sum(map(get, _FWD_BWD_TERMS)), step)
 
 
@@ -231,7 +228,6 @@ def _state_terms(
             ),
         ),
         ("grad_reduce", buf.grad_reduce(m, tp=tp, zero_stage=zero, shards=shards, engine=engine)),
-        ("ddp_bucket", buf.ddp_bucket(n, pp=pp, zero_stage=zero, shards=shards, engine=engine)),
         ("step_grads", step_grads),
         ("optimizer_step", buf.optimizer_step(n, zero_stage=zero, shards=shards, engine=engine)),
     )
@@ -240,7 +236,7 @@ def _state_terms(
         items,
         sum(d[k] for k in STATE_TERMS),
         sum(d[k] for k in BUFFER_TERMS if k in d),
-        sum(d[k] for k in STEP_TERMS) + d["ddp_bucket"],  # as in peak_bytes
+        sum(d[k] for k in STEP_TERMS),  # as in peak_bytes
     )
 
 

@@ -12,9 +12,9 @@ simple and is reproduced here in Python, on the same parameters, with the runner
   ``initialize_bucket_views``); under ``no_sync`` (gradient accumulation) the gradients accumulate in
   fresh tensors beside the buckets until the synchronising micro-batch;
 - the reducer rebuilds its buckets once, in the second step's first forward (``_rebuild_buckets``,
-  in gradient-ready order), and the CPU study measured the first set alive through that step
-  (harness/estimate/buffers.py ``ddp_bucket``: +4 B per parameter): the new set is allocated there
-  and the old one released when that step's backward has filled the new one.
+  in gradient-ready order), releasing the first set: one set is alive at any peak. (The CPU study once
+  measured both sets alive through that step; that was its instrument, which counted the first set's
+  free only from the step's start: harness/runner/measure.py ``start_cpu_accounting``.)
 All-reduces are in place and the fake group moves nothing, so they add no memory.
 """
 
@@ -62,7 +62,6 @@ class BucketedReplica(nn.Module):
         self._backwards = 0  # synchronising backwards finished
         self._callback_queued = False
         self._rebuilt = False
-        self._old: list[torch.Tensor] = []
         self._views: dict[int, torch.Tensor] = {}
         self._ready_order: list[int] = []
         self._buckets = self._allocate(bucket_sizes(self._params))
@@ -101,8 +100,6 @@ class BucketedReplica(nn.Module):
     def _backward_done(self) -> None:
         self._callback_queued = False
         self._backwards += 1
-        if self._rebuilt:
-            self._old = []  # the first set, released once the rebuilt one has been filled
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -114,8 +111,8 @@ class BucketedReplica(nn.Module):
 
     def forward(self, *args, **kwargs):
         if self._backwards >= 1 and not self._rebuilt:
-            # The reducer's one rebuild, in gradient-ready order, while the first set is alive.
-            self._old = self._buckets
+            # The reducer's one rebuild, in gradient-ready order; the first set goes with it.
+            self._buckets = []
             order = self._ready_order or list(range(len(self._params)))
             self._views = {}
             self._buckets = self._allocate(_group(order, self._params))

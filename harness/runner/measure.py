@@ -177,6 +177,49 @@ def _all_threads_flag():
     return None
 
 
+_accounting_base: int | None = None  # c10's running total when start_cpu_accounting ran, else None
+
+
+def start_cpu_accounting() -> None:
+    """Count every CPU allocation and free from here on, on every thread (``_all_threads_flag``), so that
+    the measured step's running total is this process's live tensor memory: less the total found here
+    (what a parent process left in it), it counts the blocks made before the step and freed during it,
+    which a count started at the step cannot see. (DDP's reducer frees its first gradient buckets when
+    it rebuilds them in the second step's forward: counted from the step alone, both sets looked alive,
+    one gradient copy too many; tiny dp 2: 83.3 MB read, 76.1 MB held.) A rank calls it first."""
+    global _accounting_base
+    flag = _all_threads_flag()
+    if flag is None:
+        return
+    flag.value = True
+    from torch.profiler import ProfilerActivity, profile
+
+    # The total is not readable from Python; a one-byte allocation under the profiler reports it.
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        probe = torch.empty(1, dtype=torch.uint8)
+    del probe
+    _accounting_base = None
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    from torch._C._profiler import _EventType
+
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        f = event.extra_fields
+        if event.tag == _EventType.Allocation and int(f.alloc_size) > 0:
+            _accounting_base = int(f.total_allocated) - int(f.alloc_size)
+            break
+
+
+def stop_cpu_accounting() -> None:
+    """Stop what ``start_cpu_accounting`` started (its bookkeeping costs every allocation a lock)."""
+    global _accounting_base
+    flag = _all_threads_flag()
+    if flag is not None:
+        flag.value = False
+    _accounting_base = None
+
+
 # Synthetic addresses for blocks the c10 total shows but no profiler event names (made on a thread the
 # profiler does not run on, such as gloo's): far above any real address, so never confused with one.
 _FOREIGN_BASE = 1 << 62
@@ -241,9 +284,11 @@ class _AllocatorPeak:
                 )
         found.sort(key=lambda e: e[:2])
         _order_by_total(found)
+        self.start_total = self.max_total = None
         if found:
-            start = found[0][4] - found[0][3]
-            self.peak_bytes = max(0, max(e[4] for e in found) - start)
+            self.start_total = found[0][4] - found[0][3]
+            self.max_total = max(self.start_total, *(e[4] for e in found))
+            self.peak_bytes = max(0, self.max_total - self.start_total)
         self._to_events(found)
 
     def _to_events(self, found: list[tuple]) -> None:
@@ -314,6 +359,8 @@ class _AllocatorPeak:
             elif ptr in sizes:
                 size, stream, _, _ = sizes.pop(ptr)
                 self.events.append(_trace_event("free_completed", ptr, size, stream, t_ns))
+            else:  # a block made before the step (``step_trace`` knows those) or before counting began
+                self.events.append(_trace_event("free_completed", ptr, -size, 0, t_ns))
 
 
 def _order_by_total(found: list[tuple]) -> None:
@@ -436,16 +483,20 @@ class PeakMemory:
             self._simulate(events)
         else:
             # The allocator's count is the peak; MemTracker's categories say what it was made of. They
-            # differ where C++ code allocates out of the tracker's sight: DDP's reducer rebuilds its
-            # gradient buckets in the second step's forward while the first ones are still alive.
-            total = baseline + allocator.peak_bytes
+            # differ where C++ code allocates out of the tracker's sight ("untracked").
+            held_elsewhere = 0
+            if _accounting_base is not None and allocator.max_total is not None:
+                total = allocator.max_total - _accounting_base
+                held_elsewhere = allocator.start_total - _accounting_base - sum(n for _, n in start_live)
+            else:  # counted from the step's start: what was alive then is assumed alive throughout
+                total = baseline + allocator.peak_bytes
             categories["untracked"] = max(0, total - tracked)
             self._result = {
                 "memory_method": "cpu_allocator",
                 "peak_allocated_bytes": total,
                 "tracker_peak_bytes": tracked,
             }
-            events = step_trace(start_live, allocator.events)
+            events = step_trace(start_live, allocator.events, held_elsewhere=held_elsewhere)
             self.trace = {"segments": [], "device_traces": [events]}
             self._simulate(events)
         self._result["categories"] = categories
@@ -465,19 +516,36 @@ class PeakMemory:
         return dict(self._result)
 
 
-def step_trace(start_live: list[tuple[int, int]], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The measured step as one trace: what was alive at its start first, as allocations, then the
-    step's own events. The profiler does not report frees of blocks made before it started; an address
-    allocated again proves the earlier block was freed, so its free is inserted there."""
+def step_trace(
+    start_live: list[tuple[int, int]], events: list[dict[str, Any]], *, held_elsewhere: int = 0
+) -> list[dict[str, Any]]:
+    """The measured step as one trace: what was alive at its start first, as allocations (with
+    ``held_elsewhere`` bytes that no Python object reaches as one more block), then the step's own
+    events. A start block's free is its own event where the allocator counted it (it was made after
+    ``start_cpu_accounting``); otherwise an address allocated again proves the block was freed, and its
+    free is inserted there. Frees of blocks neither made in the step nor alive at its start are dropped."""
     out = [_trace_event("alloc", ptr, size, 0) for ptr, size in start_live]
+    if held_elsewhere > 0:
+        out.append(_trace_event("alloc", _HELD_ELSEWHERE, held_elsewhere, 0))
     before = {ptr: size for ptr, size in start_live}
+    made: set[int] = set()
     for ev in events:
-        if ev["action"] == "alloc" and ev["addr"] in before:
-            out.append(
-                _trace_event("free_completed", ev["addr"], before.pop(ev["addr"]), 0, ev["time_us"] * 1000)
-            )
-        out.append(ev)
+        addr = ev["addr"]
+        if ev["action"] == "alloc":
+            if addr in before:
+                out.append(_trace_event("free_completed", addr, before.pop(addr), 0, ev["time_us"] * 1000))
+            made.add(addr)
+            out.append(ev)
+        elif addr in made:
+            made.discard(addr)
+            out.append(ev)
+        elif addr in before:
+            out.append(_trace_event("free_completed", addr, before.pop(addr), 0, ev["time_us"] * 1000))
     return out
+
+
+# The start block standing for storage that C++ objects alone hold when the step begins.
+_HELD_ELSEWHERE = _FOREIGN_BASE - 2**32
 
 
 def simulated(events: list[dict[str, Any]]) -> dict[str, Any]:

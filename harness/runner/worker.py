@@ -21,7 +21,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness.runner.measure import PeakMemory, cpu_peak_tflops, start_cuda_history
+from harness.runner.measure import (
+    PeakMemory,
+    cpu_peak_tflops,
+    start_cpu_accounting,
+    start_cuda_history,
+    stop_cpu_accounting,
+)
 from harness.runner.model import Llama
 from harness.runner.parallel.compose import MESH_DIMS, parallelize, train_step
 from harness.runner.parallel.context import shard_sequence
@@ -97,6 +103,7 @@ def run_rank(
         local_world = world if local_world is None else local_world
         if spec.device.name == "cpu":
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+            start_cpu_accounting()  # before anything the measured step could free is allocated
         device, backend = device_for(spec, local_rank, local_world)
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -194,6 +201,7 @@ def _run(spec: RunSpec, device: torch.device, artifacts: _Artifacts | None = Non
         # small models): one extra step is measured for memory, and the timed steps run untracked.
         with memory.measure():
             losses.append(step())
+        stop_cpu_accounting()  # (its bookkeeping would slow the timed steps)
         timed = _timed_steps(step, t.steps - WARMUP_STEPS, device)
     else:  # the CUDA allocator's statistics cost nothing: the timed steps are the measured ones
         with memory.measure():
