@@ -4,9 +4,10 @@ Since the runner records the CPU allocator's own running total as ``peak_allocat
 with ``profile_memory=True``, plus every storage alive at the start of the measured step) and MemTracker's
 peak beside it (``tracker_peak_bytes``, whose categories say what the peak is made of), this prints both
 for each rank of a single-rank, an FSDP (ZeRO-3), a DDP (ZeRO-0), a DDP + ZeRO-1 and a TP + SP point, and
-the relative difference. Exits 1 if any differs by more than the tolerance (2 %, issue 3), except where
-the difference is expected and named: DDP's reducer rebuilds its gradient buckets in C++ during the
-measured (second) step, out of MemTracker's sight.
+the relative difference. Exits 1 if any differs by more than the tolerance (2 %, issue 3). (Runs 1-4 in
+results/runner_checks/cpu_memory_vs_profiler.txt excused DDP's 8.5-9.3 % as buckets "rebuilt out of
+MemTracker's sight": it was the allocator count that was wrong, harness/runner/measure.py
+``start_cpu_accounting``; no difference is excused now.)
 Run: python scripts/check_cpu_memory.py [--tolerance 0.02] [--point NAME ...]
 """
 
@@ -27,10 +28,6 @@ POINTS = {
     "DDP dp2 zero0": ["parallel.dp=2", "parallel.zero_stage=0"],
     "DDP dp2 zero1": ["parallel.dp=2", "parallel.zero_stage=1"],
     "TP tp2 + SP": ["parallel.tp=2"],
-}
-EXPECTED = {
-    "DDP dp2 zero0": "DDP's reducer rebuilds its buckets in C++ in step 2, unseen by MemTracker",
-    "DDP dp2 zero1": "DDP's reducer rebuilds its buckets in C++ in step 2, unseen by MemTracker",
 }
 COMMON = [
     "model=small",
@@ -60,14 +57,11 @@ def main() -> int:
                 r = json.loads((Path(tmp) / f"rank{rank}.json").read_text())
                 tracked, truth = r["tracker_peak_bytes"], r["peak_allocated_bytes"]
                 diff = (tracked - truth) / truth
-                expected = EXPECTED.get(name)
-                if expected is None:
-                    worst = max(worst, abs(diff))
-                note = f"  (expected: {expected})" if expected and abs(diff) > args.tolerance else ""
+                worst = max(worst, abs(diff))
                 mib = f"{tracked / 2**20:>15.2f} {truth / 2**20:>14.2f}"
-                print(f"{name:<16} {rank:>4} {mib} {diff:>+7.2%}{note}")
+                print(f"{name:<16} {rank:>4} {mib} {diff:>+7.2%}")
     verdict = "within" if worst <= args.tolerance else "OUTSIDE"
-    print(f"largest unexpected difference {worst:.2%}: {verdict} the {args.tolerance:.0%} tolerance")
+    print(f"largest difference {worst:.2%}: {verdict} the {args.tolerance:.0%} tolerance")
     return 0 if worst <= args.tolerance else 1
 
 

@@ -182,8 +182,8 @@ def test_torch_pipeline_receive_buffers_can_outweigh_the_split_at_scale():
 
 
 def test_torch_zero1_holds_more_than_fsdp_zero2_at_two_ranks():
-    # ZeRO-1 (DDP + ZeroRedundancyOptimizer): 4N weights + 4N gradient buckets + 8N/2 optimizer, and in
-    # the second step DDP's rebuilt buckets, 4N more, at the peak. FSDP2 no-reshard: 4N/2 shards + 4N
+    # ZeRO-1 (DDP + ZeroRedundancyOptimizer): 4N weights + 4N gradient buckets (one set: DDP frees the
+    # first when it rebuilds them) + 8N/2 optimizer at the peak. FSDP2 no-reshard: 4N/2 shards + 4N
     # unsharded FP32 weights + 8N/2 optimizer; its gradients appear only in backward, after the peak.
     s = spec(
         "llama2_7b",
@@ -195,9 +195,9 @@ def test_torch_zero1_holds_more_than_fsdp_zero2_at_two_ranks():
     )
     n = stage_params(s.model, stage=0, pp=1, tp=1)
     zero1, zero2 = _total(s, "torch"), _total(s, "torch", zero_stage=2)
-    # ZeRO-1's gradients and rebuilt buckets, less what FSDP adds: its unsharded copy (4N) beyond the
-    # half of the weights it shards away (2N).
-    assert zero1 - zero2 == 4 * n + 4 * n - (4 * n - 2 * n)
+    # ZeRO-1's gradient buckets, less what FSDP adds: its unsharded copy (4N) beyond the half of the
+    # weights it shards away (2N).
+    assert zero1 - zero2 == 4 * n - (4 * n - 2 * n)
 
 
 def test_interleaved_stage0_activations_grow_with_pipeline_depth():

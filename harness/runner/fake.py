@@ -16,7 +16,7 @@ What differs from the real run, and how it is handled:
 - DDP (ZeRO 0/1 without pipelining) cannot run on fake tensors: its C++ reducer reads bucket data
   pointers. It is replaced by ``BucketedReplica``, which accounts for the reducer's memory explicitly:
   the same flat gradient buckets (``gradient_as_bucket_view``: the gradients are views of them), kept
-  across steps, and rebuilt at the second step's first forward while the first ones are alive, as the
+  across steps, and rebuilt at the second step's first forward, the first set released, as the
   reducer does (``Reducer::rebuild_buckets``). Collectives move no memory under the fake group.
 - FSDP2 on a 2-D (dp × tp) mesh builds a concatenated DeviceMesh from real index tensors, which fails
   inside FakeTensorMode; the mesh construction runs with fake mode suspended (``_real_meshes``).
