@@ -262,7 +262,7 @@ def _activation_terms(
     m: ModelSpec, t: TrainSpec, stage: int, engine: str, layout: tuple
 ) -> tuple[Items, int]:
     """(items, their sum: all are forward/backward terms)."""
-    tp, pp, cp, sp, schedule, v, balance, fused_norm = layout
+    tp, pp, cp, sp, schedule, v, balance, fused_norm, autocast = layout
     # Activations depend on neither dp nor the ZeRO stage: they are not part of the key.
     p = ParallelSpec(
         dp=1,
@@ -275,7 +275,9 @@ def _activation_terms(
         virtual_stages=v,
         cp_load_balance=balance,
     )
-    activations = act.stage_layer_activations(m, p, t, stage=stage, engine=engine, fused_norm=fused_norm)
+    activations = act.stage_layer_activations(
+        m, p, t, stage=stage, engine=engine, fused_norm=fused_norm, autocast=autocast
+    )
     logits = act.logits(m, p, t, stage=stage, engine=engine)
     loss = buf.loss(m, p, t, stage=stage, engine=engine)
     if engine == "torch" and schedule != "gpipe":  # GPipe keeps every micro-batch's loss buffers
@@ -283,7 +285,7 @@ def _activation_terms(
         # reaches the layers after the head's gradient is made and the loss buffers are freed, so the
         # peak holds the larger of the two. Measured on the CPU study: full recomputation was
         # over-predicted by ~19 % when both were added.
-        working = act.recompute_working_set(m, p, t, engine=engine, fused_norm=fused_norm)
+        working = act.recompute_working_set(m, p, t, engine=engine, fused_norm=fused_norm, autocast=autocast)
         activations -= min(working, logits + loss)
     items = (
         ("activations", activations),
@@ -293,8 +295,8 @@ def _activation_terms(
             act.output_activations(m, p, t, stage=stage, engine=engine, fused_norm=fused_norm),
         ),
         ("logits", logits),
-        ("tp_allgather", buf.tp_allgather(m, p, t)),
-        ("pp_p2p", buf.pp_p2p(m, p, t, stage=stage, engine=engine)),
+        ("tp_allgather", buf.tp_allgather(m, p, t, autocast=autocast)),
+        ("pp_p2p", buf.pp_p2p(m, p, t, stage=stage, engine=engine, autocast=autocast)),
         ("cp_kv_allgather", buf.cp_kv_allgather(m, p, t, engine=engine)),
         ("loss", loss),
     )
@@ -319,6 +321,7 @@ def _stage(spec: RunSpec, stage: int, engine: str) -> StageEstimate:
         p.virtual_stages,
         p.cp_load_balance,
         fused_norm,
+        engine == "torch" and act.torch_autocast(p, t),
     )
     a_items, activations = _activation_terms(m, t, stage, engine, layout)
     terms = dict(s_items + a_items)
@@ -371,7 +374,15 @@ def _replicated_embedding_grad(
     if t.num_microbatches < 2 or p.pp_schedule == "gpipe" or p.virtual_stages > 1:
         return states, buffers, step
     inflight = act.inflight_chunks(p, t, stage=0)
-    held = act.stage_layer_activations(m, p, t, stage=0, engine="torch", fused_norm=spec.device.name != "cpu")
+    held = act.stage_layer_activations(
+        m,
+        p,
+        t,
+        stage=0,
+        engine="torch",
+        fused_norm=spec.device.name != "cpu",
+        autocast=act.torch_autocast(p, t),
+    )
     per_chunk = held // inflight  # (recomputation's working set is small against a chunk; left in)
     freed = inflight - max(0, min(inflight - 1, t.num_microbatches - 2))
     grads_made = 0 if grads != "none" else terms["step_grads"]
