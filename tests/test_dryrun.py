@@ -31,9 +31,10 @@ def test_fsdp_dry_run_equals_the_real_rank():
     assert fake == pytest.approx(real, rel=0.005)
 
 
-def test_tensor_parallel_dry_run_reads_a_few_percent_high():
-    # Measured: +5.9 % for tp 2 with sequence parallelism. Fake collectives and the loss_parallel path
-    # allocate temporaries that the real gloo run does not hold at once (../shared/research: +8 % with
-    # FSDPMemTracker). Pinned so that a change in either direction is seen.
+def test_tensor_parallel_dry_run_equals_the_real_rank():
+    # It read +5.9 % for tp 2 with sequence parallelism: MemTracker counted DTensor's sharding
+    # propagation (global-shape fake tensors, loss_parallel's whole-vocabulary log-softmax among them),
+    # made in the trace's own fake mode (harness/runner/fake.py _private_sharding_propagation). Now
+    # 140,862,268 B traced against 140,866,376 B measured.
     real, fake = _real_and_fake(parallel_tp=2)
-    assert real < fake <= 1.10 * real
+    assert fake == pytest.approx(real, rel=0.005)

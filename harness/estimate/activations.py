@@ -43,6 +43,14 @@ def elem_bytes(precision: str) -> int:
     return 2 if precision == "bf16" else 4
 
 
+def torch_autocast(p: ParallelSpec, t: TrainSpec) -> bool:
+    """Whether the runner computes under BF16 autocast (``compose.parallelize``): BF16 runs whose
+    parameters neither FSDP2 nor ``replicate`` casts — one data-parallel rank, or DDP (ZeRO 0/1)
+    without pipelining."""
+    fsdp_like = p.dp * p.cp > 1 and (p.zero_stage >= 2 or p.pp > 1)
+    return t.precision == "bf16" and not fsdp_like
+
+
 def norm_tensors(engine: str, *, fused_norm: bool = False) -> int:
     """Tensors of s·b·h one RMSNorm keeps per norm, twice per layer: the input (megatron), the input
     and the normalised output (torch on CPU: the composite ``F.rms_norm``'s autograd saves both). On a
@@ -59,12 +67,22 @@ def layer_activation_bytes(
     engine: str,
     recompute: str | None = None,
     fused_norm: bool = False,
+    autocast: bool = False,
 ) -> int:
     """Bytes one layer keeps for backward for one micro-batch on one rank, under ``recompute`` (default
     ``t.recompute``): "none" (and the blocks that full recomputation with ``recompute_every`` > 1 leaves
     alone) keeps everything; "selective" drops the attention kernel's extra tensors — Korthikanti's
     selective recomputation of the attention core, which with flash attention saves only its tiny
-    log-sum-exp, left out here; "op" keeps what torchtitan's op policy saves (:func:`op_layer_bytes`)."""
+    log-sum-exp, left out here; "op" keeps what torchtitan's op policy saves (:func:`op_layer_bytes`).
+
+    ``autocast`` (torch, :func:`torch_autocast`): the residual stream stays FP32 (the embedding and
+    the norms run on FP32 weights), so the norms keep FP32 tensors, and every linear casts its FP32
+    input to BF16 itself — autocast caches casts of leaf parameters only — and its matmul keeps that
+    cast: Q, K and V each keep one of the attention input, the gate and up projections each one of the
+    MLP input, 5·sbh BF16 per layer where one copy of each input (2·sbh) is counted otherwise. Traced
+    (``run.mode=fake``, Llama-3-70B at 16 layers, tp 8 × pp 8, BF16, stage 0): 60 BF16 (s, h) casts
+    for 6 micro-batches × 2 layers, and FP32 norm inputs; a real CPU run of the same kind (tiny, tp 2
+    × pp 2) measures what the fake trace does."""
     recompute = t.recompute if recompute is None else recompute
     if recompute == "full":
         recompute = "none"
@@ -93,7 +111,11 @@ def layer_activation_bytes(
         # the converted mask to its scores and keeps neither.
         mask = (s // p.cp) * s
     mlp = 4 * s * b * f // tc
-    return elem_bytes(t.precision) * (norm + inputs + q_out + kv + mlp + math + mask)
+    norm_elem = elem_bytes(t.precision)
+    if autocast:
+        inputs = 5 * sbh // inputs_div  # Q, K, V; gate, up: one BF16 cast each
+        norm_elem = 4
+    return elem_bytes(t.precision) * (inputs + q_out + kv + mlp + math + mask) + norm_elem * norm
 
 
 def math_attention_elements(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, kv_div: int) -> int:
@@ -175,7 +197,14 @@ def checkpointed_layers(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
 
 
 def stage_layer_activations(
-    m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: str, fused_norm: bool = False
+    m: ModelSpec,
+    p: ParallelSpec,
+    t: TrainSpec,
+    *,
+    stage: int,
+    engine: str,
+    fused_norm: bool = False,
+    autocast: bool = False,
 ) -> int:
     """The activations of all layers ``stage`` holds at its peak, with recomputation applied.
 
@@ -193,15 +222,25 @@ def stage_layer_activations(
         kept = checkpointed_layers(m, p, t)
         chunk = kept * layer_input_bytes(m, p, t)
         chunk += (layers_per_chunk - kept) * layer_activation_bytes(
-            m, p, t, engine=engine, recompute="none", fused_norm=fused_norm
+            m, p, t, engine=engine, recompute="none", fused_norm=fused_norm, autocast=autocast
         )
     else:
-        chunk = layers_per_chunk * layer_activation_bytes(m, p, t, engine=engine, fused_norm=fused_norm)
-    return chunks * chunk + recompute_working_set(m, p, t, engine=engine, fused_norm=fused_norm)
+        chunk = layers_per_chunk * layer_activation_bytes(
+            m, p, t, engine=engine, fused_norm=fused_norm, autocast=autocast
+        )
+    return chunks * chunk + recompute_working_set(
+        m, p, t, engine=engine, fused_norm=fused_norm, autocast=autocast
+    )
 
 
 def recompute_working_set(
-    m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, engine: str, fused_norm: bool = False
+    m: ModelSpec,
+    p: ParallelSpec,
+    t: TrainSpec,
+    *,
+    engine: str,
+    fused_norm: bool = False,
+    autocast: bool = False,
 ) -> int:
     """What :func:`stage_layer_activations` counts for the one layer recomputed during backward, beyond
     what the stage keeps: full, that layer's activations less its kept input — 0 if no block of a chunk
@@ -212,13 +251,17 @@ def recompute_working_set(
     against 20.05 − 7.28 = 12.77); selective, its attention core again; none, 0."""
     if t.recompute == "none":
         return 0
-    full_layer = layer_activation_bytes(m, p, t, engine=engine, recompute="none", fused_norm=fused_norm)
+    full_layer = layer_activation_bytes(
+        m, p, t, engine=engine, recompute="none", fused_norm=fused_norm, autocast=autocast
+    )
     if t.recompute == "full":
         last_checkpointed = m.num_layers // (p.pp * p.virtual_stages) % t.recompute_every == 0
         return full_layer - layer_input_bytes(m, p, t) if last_checkpointed else 0
     if t.recompute == "op":
         return full_layer - op_layer_bytes(m, p, t) + layer_input_bytes(m, p, t)
-    return full_layer - layer_activation_bytes(m, p, t, engine=engine, fused_norm=fused_norm)
+    return full_layer - layer_activation_bytes(
+        m, p, t, engine=engine, fused_norm=fused_norm, autocast=autocast
+    )
 
 
 def _last_stage_inflight(p: ParallelSpec, t: TrainSpec) -> int:

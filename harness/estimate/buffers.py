@@ -87,16 +87,21 @@ def optimizer_step(n: int, *, zero_stage: int, shards: int, engine: str) -> int:
     return 4 * local
 
 
-def tp_allgather(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
+def tp_allgather(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast: bool = False) -> int:
     """Sequence parallelism's full-sequence buffer at a layer boundary (s·b·h/c in the compute dtype):
     the re-gathered input in Megatron's backward, and the gradient of the gathered input before its
-    reduce-scatter in the runner's. Zero without tp > 1 and SP."""
+    reduce-scatter in the runner's — FP32 under ``autocast``, whose residual stream is FP32
+    (:func:`activations.layer_activation_bytes`; traced: an FP32 (t, s/t, h) all-gather in the 70B
+    tp 8 × pp 8 backward). Zero without tp > 1 and SP."""
     if p.tp == 1 or not p.sequence_parallel:
         return 0
-    return elem_bytes(t.precision) * t.seq_len * t.micro_batch_size * m.hidden_size // p.cp
+    e = 4 if autocast else elem_bytes(t.precision)
+    return e * t.seq_len * t.micro_batch_size * m.hidden_size // p.cp
 
 
-def pp_p2p(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: str) -> int:
+def pp_p2p(
+    m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: str, autocast: bool = False
+) -> int:
     """Pipeline receive buffers of one stage-boundary activation (s·b·h/(t·c) with SP, /c without).
 
     torch: ``torch.distributed.pipelining`` allocates a forward receive buffer per micro-batch (all
@@ -107,8 +112,9 @@ def pp_p2p(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: s
     if p.pp == 1:
         return 0
     sp = p.sequence_parallel and p.tp > 1
+    # Under autocast the stages exchange the FP32 residual stream (runner/fake.py hidden_meta_dtype).
     one = (
-        elem_bytes(t.precision)
+        (4 if autocast else elem_bytes(t.precision))
         * t.seq_len
         * t.micro_batch_size
         * m.hidden_size

@@ -218,7 +218,12 @@ def _state_terms(
         (
             "param_copies",
             st.param_copies(
-                n, zero_stage=zero, precision=precision, engine=engine, replicate=pp > 1 and shards > 1
+                n,
+                zero_stage=zero,
+                precision=precision,
+                engine=engine,
+                replicate=pp > 1 and shards > 1,
+                uncast=_uncast_embedding(m, stage=stage, pp=pp, tp=tp),
             ),
         ),
         (
@@ -240,12 +245,20 @@ def _state_terms(
     )
 
 
+def _uncast_embedding(m: ModelSpec, *, stage: int, pp: int, tp: int) -> int:
+    """The embedding's parameters on ``stage``'s rank where autocast leaves them uncast: stage 0's,
+    unless the head on the same rank shares the matrix (tied, pp = 1) and its matmul casts it."""
+    if stage != 0 or (m.tie_embeddings and pp == 1):
+        return 0
+    return m.vocab_size * m.hidden_size // tp
+
+
 @lru_cache(maxsize=65536)
 def _activation_terms(
     m: ModelSpec, t: TrainSpec, stage: int, engine: str, layout: tuple
 ) -> tuple[Items, int]:
     """(items, their sum: all are forward/backward terms)."""
-    tp, pp, cp, sp, schedule, v, balance, fused_norm = layout
+    tp, pp, cp, sp, schedule, v, balance, fused_norm, autocast = layout
     # Activations depend on neither dp nor the ZeRO stage: they are not part of the key.
     p = ParallelSpec(
         dp=1,
@@ -258,7 +271,9 @@ def _activation_terms(
         virtual_stages=v,
         cp_load_balance=balance,
     )
-    activations = act.stage_layer_activations(m, p, t, stage=stage, engine=engine, fused_norm=fused_norm)
+    activations = act.stage_layer_activations(
+        m, p, t, stage=stage, engine=engine, fused_norm=fused_norm, autocast=autocast
+    )
     logits = act.logits(m, p, t, stage=stage, engine=engine)
     loss = buf.loss(m, p, t, stage=stage, engine=engine)
     if engine == "torch" and schedule != "gpipe":  # GPipe keeps every micro-batch's loss buffers
@@ -266,7 +281,7 @@ def _activation_terms(
         # reaches the layers after the head's gradient is made and the loss buffers are freed, so the
         # peak holds the larger of the two. Measured on the CPU study: full recomputation was
         # over-predicted by ~19 % when both were added.
-        working = act.recompute_working_set(m, p, t, engine=engine, fused_norm=fused_norm)
+        working = act.recompute_working_set(m, p, t, engine=engine, fused_norm=fused_norm, autocast=autocast)
         activations -= min(working, logits + loss)
     items = (
         ("activations", activations),
@@ -276,8 +291,8 @@ def _activation_terms(
             act.output_activations(m, p, t, stage=stage, engine=engine, fused_norm=fused_norm),
         ),
         ("logits", logits),
-        ("tp_allgather", buf.tp_allgather(m, p, t)),
-        ("pp_p2p", buf.pp_p2p(m, p, t, stage=stage, engine=engine)),
+        ("tp_allgather", buf.tp_allgather(m, p, t, autocast=autocast)),
+        ("pp_p2p", buf.pp_p2p(m, p, t, stage=stage, engine=engine, autocast=autocast)),
         ("cp_kv_allgather", buf.cp_kv_allgather(m, p, t, engine=engine)),
         ("loss", loss),
     )
@@ -302,6 +317,7 @@ def _stage(spec: RunSpec, stage: int, engine: str) -> StageEstimate:
         p.virtual_stages,
         p.cp_load_balance,
         fused_norm,
+        engine == "torch" and act.torch_autocast(p, t),
     )
     a_items, activations = _activation_terms(m, t, stage, engine, layout)
     terms = dict(s_items + a_items)
@@ -317,7 +333,59 @@ def _stage(spec: RunSpec, stage: int, engine: str) -> StageEstimate:
         extra = max(0, end - (buffers + activations))
         terms["fsdp_allgather"] += extra
         buffers += extra
+    if engine == "torch" and stage == 0 and p.tp > 1 and p.dp * p.cp == 1:
+        states, buffers, step = _replicated_embedding_grad(
+            spec, grads, terms, states, buffers, activations, step
+        )
     return StageEstimate(stage, terms, states + max(buffers + activations, step))
+
+
+def _replicated_embedding_grad(
+    spec: RunSpec, grads: str, terms: dict[str, int], states: int, buffers: int, activations: int, step: int
+) -> tuple[int, int, int]:
+    """Stage 0 under tensor parallelism (torch, d·c = 1): the embedding's gradient is not sharded.
+
+    DTensor has no vocabulary-sharded rule for ``embedding_dense_backward``: the row-parallel
+    embedding's gradient comes back replicated, the full v·h matrix in FP32 on every tp rank, and
+    stays so as ``.grad`` until the step (``compose.sync_tied_weight`` meets the same). So the
+    gradients hold 4·v·h·(1 − 1/t) bytes more than ``stage_params`` says, at the step (``step_grads``)
+    or at the peak (``grads``), whichever holds them. And from the second micro-batch on, the
+    embedding's backward makes a new full gradient before adding it to the accumulated one: a candidate
+    peak at the end of the second backward — all gradients made, a second full embedding gradient,
+    the activations of min(inflight − 1, m − 2) micro-batches (1F1B: one more forward runs between
+    the first two backwards only when m > inflight). Traced (``run.mode=fake``, Llama-3-70B at 16
+    layers, tp 8 × pp 8, m 8): the peak is there, with both 3.91 GiB copies alive; on a real CPU run
+    (tiny, tp 2 × pp 2, m 4, BF16) rank 0's measured peak equals the fake trace's. What that candidate
+    adds over the forward/backward terms is put in ``grad_reduce`` (0 otherwise for torch): gradient
+    memory of backward beyond the states. Mutates ``terms``; returns (states, buffers, step)."""
+    m, p, t = spec.model, spec.parallel, spec.train
+    full = 4 * m.vocab_size * m.hidden_size
+    extra = full - 4 * (m.vocab_size * m.hidden_size // p.tp)
+    if grads == "none":
+        terms["step_grads"] += extra
+        step += extra
+    else:
+        terms["grads"] += extra
+        states += extra
+    if t.num_microbatches < 2 or p.pp_schedule == "gpipe" or p.virtual_stages > 1:
+        return states, buffers, step
+    inflight = act.inflight_chunks(p, t, stage=0)
+    held = act.stage_layer_activations(
+        m,
+        p,
+        t,
+        stage=0,
+        engine="torch",
+        fused_norm=spec.device.name != "cpu",
+        autocast=act.torch_autocast(p, t),
+    )
+    per_chunk = held // inflight  # (recomputation's working set is small against a chunk; left in)
+    freed = inflight - max(0, min(inflight - 1, t.num_microbatches - 2))
+    grads_made = 0 if grads != "none" else terms["step_grads"]
+    candidate = buffers + activations - freed * per_chunk + grads_made + full
+    more = max(0, candidate - (buffers + activations))
+    terms["grad_reduce"] += more
+    return states, buffers + more, step
 
 
 def estimate(spec: RunSpec, *, engine: str = "torch") -> Estimate:

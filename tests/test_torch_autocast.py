@@ -1,0 +1,109 @@
+"""The torch engine under BF16 autocast and tensor parallelism (issue 14, item 3): the linears' own
+input casts and the FP32 residual stream; on stage 0 the embedding's replicated gradient and the
+embedding left uncast. Numbers are the tiny model's
+(v 4096, h 128), tp 2 × pp 2, 4 micro-batches of s 256, BF16: the layout whose rank 0 was measured on a
+real CPU run (13.3 MiB; 20.3 MiB with v 8192) and traced with ``run.mode=fake`` (13.2 MiB)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from conftest import spec
+
+from harness.estimate import estimate
+from harness.estimate.activations import layer_activation_bytes, torch_autocast
+from harness.estimate.params import stage_params
+from harness.specs import canonical
+
+MIB = 2**20
+
+
+def _tp_pp(vocab: int = 4096, **overrides):
+    layout = {"parallel_tp": 2, "parallel_pp": 2, "train_precision": "bf16", "train_num_microbatches": 4}
+    s = spec("tiny", **{**layout, **overrides})
+    return canonical(dataclasses.replace(s, model=dataclasses.replace(s.model, vocab_size=vocab)))
+
+
+def test_stage0_embedding_gradient_is_replicated_and_doubled_at_the_second_backward():
+    s = _tp_pp(8192)
+    terms = estimate(s).stages[0].terms
+    n = stage_params(s.model, stage=0, pp=2, tp=2)
+    # 1F1B stage 0 holds 2 micro-batches and runs 4: gradients exist at the peak ("accumulated").
+    # Their sharded size 4·n, plus the embedding's other half: 4 · 8192·128 · (1 − 1/2) = 2 MiB.
+    assert terms["grads"] == 4 * n + 2 * MIB
+    # The second backward's end: a new full embedding gradient, 4 · 8192·128 = 4 MiB, while one
+    # micro-batch's activations are freed (2 in flight − min(2 − 1, 4 − 2) = 1 of the 4 MiB held:
+    # 2 MiB, test_autocast_layer below); what that adds over the forward/backward terms: 4 − 2 = 2 MiB.
+    assert terms["activations"] == 4 * MIB
+    assert terms["grad_reduce"] == 2 * MIB
+
+
+def test_stage0_autocast_copies_leave_the_embedding_out():
+    s = _tp_pp()
+    n = stage_params(s.model, stage=0, pp=2, tp=2)
+    # BF16 copies of the layers' weights only: 2 · (n − 4096·128/2).
+    assert estimate(s).stages[0].terms["param_copies"] == 2 * (n - 4096 * 128 // 2)
+
+
+def test_stage0_peak_grows_with_the_vocabulary_as_measured():
+    # Measured on real CPU runs (`harness run model=tiny [model.vocab_size=8192] parallel.world_size=4
+    # parallel.tp=2 parallel.pp=2 train.precision=bf16 train.num_microbatches=4`): rank 0 13.3 → 20.3
+    # MiB, + 7.0 MiB for 4096·128 more embedding entries (2 MiB in FP32 unsharded): sharded FP32 weight
+    # 1 + AdamW moments 2 + the replicated gradient 2 + its second copy 2. Before: + 4.5 MiB (weight,
+    # moments, a sharded gradient and a BF16 copy of the embedding that autocast never makes).
+    small, large = estimate(_tp_pp(4096)).stages[0], estimate(_tp_pp(8192)).stages[0]
+    assert large.total_bytes - small.total_bytes == 7 * MIB
+
+
+def test_as_many_micro_batches_as_stages_puts_the_gradient_at_the_step():
+    # m 2 = in flight 2: every forward comes before any backward, so the forward peak holds no gradient
+    # and the step holds the replicated one: 4·n + 1 MiB.
+    s = _tp_pp(train_num_microbatches=2)
+    terms = estimate(s).stages[0].terms
+    n = stage_params(s.model, stage=0, pp=2, tp=2)
+    assert terms["grads"] == 0
+    assert terms["step_grads"] == 4 * n + 1 * MIB
+    # The second backward's end frees both micro-batches (2 − min(2 − 1, 2 − 2) = 2 of 2) and holds
+    # every gradient (4·n + 1 MiB) and the new embedding gradient (2 MiB): it adds that less the
+    # 4 MiB of activations over the forward peak.
+    assert terms["grad_reduce"] == 4 * n + 1 * MIB + 2 * MIB - 4 * MIB
+
+
+def test_without_tensor_parallelism_nothing_changes():
+    s = spec("tiny", parallel_pp=2, train_precision="bf16", train_num_microbatches=4)
+    terms = estimate(s).stages[0].terms
+    assert terms["grad_reduce"] == 0
+    assert terms["grads"] == 4 * stage_params(s.model, stage=0, pp=2)
+
+
+def test_autocast_layer():
+    # One layer, one micro-batch, tiny at s 256, b 1, tp 2 with SP, CPU norms (4 tensors of sbh per
+    # layer), sbh = 256·128 = 32,768. Under autocast: norms 4·sbh/2 in FP32 = 262,144 B; inputs
+    # 5·sbh in BF16 (Q, K, V, gate, up each cast their own) = 327,680 B; Q and attention output
+    # 2·sbh/2 = 65,536 B; K and V 2·sbh·(2/4)/2 = 32,768 B; MLP 4·s·f/2 = 180,224 elements = 360,448 B.
+    # Total 1,048,576 B. Without autocast (the same layout's FSDP2-cast BF16): norms 131,072 B and
+    # inputs 2·sbh = 131,072 B: 720,896 B.
+    p = _tp_pp().parallel
+    t = _tp_pp().train
+    m = _tp_pp().model
+    assert layer_activation_bytes(m, p, t, engine="torch", autocast=True) == 1_048_576
+    assert layer_activation_bytes(m, p, t, engine="torch") == 720_896
+
+
+def test_autocast_is_where_the_runner_uses_it():
+    bf16 = {"train_precision": "bf16"}
+    assert torch_autocast(spec(parallel_tp=2, parallel_pp=2, **bf16).parallel, spec(**bf16).train)
+    assert torch_autocast(spec(parallel_dp=2, **bf16).parallel, spec(**bf16).train)  # DDP
+    # FSDP2 and replicate cast the parameters: no autocast, a BF16 residual stream.
+    assert not torch_autocast(spec(parallel_dp=2, parallel_zero_stage=3, **bf16).parallel, spec(**bf16).train)
+    assert not torch_autocast(spec(parallel_dp=2, parallel_pp=2, **bf16).parallel, spec(**bf16).train)
+    assert not torch_autocast(spec(parallel_tp=2).parallel, spec(train_precision="fp32").train)
+
+
+def test_autocast_boundary_buffers_are_fp32():
+    # The stages exchange the FP32 residual stream, and SP's gathered-input gradient is FP32:
+    # s·b·h/t = 16,384 elements × 4 B per receive buffer; 4 micro-batches, one neighbour: 262,144 B;
+    # the all-gather s·b·h = 32,768 × 4 B = 131,072 B (BF16 without autocast: half of each).
+    terms = estimate(_tp_pp()).stages[0].terms
+    assert terms["pp_p2p"] == 262_144
+    assert terms["tp_allgather"] == 131_072
