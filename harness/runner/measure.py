@@ -236,10 +236,11 @@ class _AllocatorPeak:
     before, such as the test suite, starts with that process's leftovers: hence the subtraction) and,
     with the flag of ``_all_threads_flag`` set for the step, over every thread. The events are the
     profiler's, from its own threads only. Where the two disagree, the total is the truth: a drop that
-    no event explains is a free on another thread (the live block of exactly that size made last is
-    freed there; ``unexplained_bytes`` counts what no block matches), a rise is an allocation on another
-    thread (a block at a synthetic address). The profiler does not see frees of blocks allocated before
-    it started, so those stay alive (``step_trace`` frees them when their address is reused)."""
+    no event explains is a free on another thread (of the oldest live blocks whose own free never shows
+    and that add up to it; ``unexplained_bytes`` counts what none match), a rise is an allocation on
+    another thread (a block at a synthetic address). A block made before the step is freed by its own
+    event where ``start_cpu_accounting`` ran before it was made, else when its address is handed out
+    again (``step_trace``)."""
 
     def __enter__(self) -> _AllocatorPeak:
         from torch.profiler import ProfilerActivity, profile
