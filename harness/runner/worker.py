@@ -103,8 +103,9 @@ def run_rank(
         local_world = world if local_world is None else local_world
         if spec.device.name == "cpu":
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-            start_cpu_accounting()  # before anything the measured step could free is allocated
         device, backend = device_for(spec, local_rank, local_world)
+        if device.type == "cpu":
+            start_cpu_accounting()  # before anything the measured step could free is allocated
         if device.type == "cuda":
             torch.cuda.set_device(device)
             result["cuda_memory_fraction"] = emulate_capacity(spec, device, local_world)
