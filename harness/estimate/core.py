@@ -335,13 +335,22 @@ def _stage(spec: RunSpec, stage: int, engine: str) -> StageEstimate:
         buffers += extra
     if engine == "torch" and stage == 0 and p.tp > 1 and p.dp * p.cp == 1:
         states, buffers, step = _replicated_embedding_grad(
-            spec, grads, terms, states, buffers, activations, step
+            spec, grads, terms, states, buffers, activations, step, fused_norm=fused_norm, autocast=layout[-1]
         )
     return StageEstimate(stage, terms, states + max(buffers + activations, step))
 
 
 def _replicated_embedding_grad(
-    spec: RunSpec, grads: str, terms: dict[str, int], states: int, buffers: int, activations: int, step: int
+    spec: RunSpec,
+    grads: str,
+    terms: dict[str, int],
+    states: int,
+    buffers: int,
+    activations: int,
+    step: int,
+    *,
+    fused_norm: bool,
+    autocast: bool,
 ) -> tuple[int, int, int]:
     """Stage 0 under tensor parallelism (torch, d·c = 1): the embedding's gradient is not sharded.
 
@@ -371,13 +380,7 @@ def _replicated_embedding_grad(
         return states, buffers, step
     inflight = act.inflight_chunks(p, t, stage=0)
     held = act.stage_layer_activations(
-        m,
-        p,
-        t,
-        stage=0,
-        engine="torch",
-        fused_norm=spec.device.name != "cpu",
-        autocast=act.torch_autocast(p, t),
+        m, p, t, stage=0, engine="torch", fused_norm=fused_norm, autocast=autocast
     )
     per_chunk = held // inflight  # (recomputation's working set is small against a chunk; left in)
     freed = inflight - max(0, min(inflight - 1, t.num_microbatches - 2))

@@ -3,13 +3,13 @@
 CUDA: the caching allocator's own statistics (peak allocated, active, reserved bytes, retries, OOMs) and
 the device's used memory. CPU has no allocator statistics to read, so (``memory_method=cpu_allocator``)
 the peak is the c10 CPU allocator's running total over the step, as ``torch.profiler`` records it with
-``profile_memory=True`` (counted on every thread, from where it stood when the step began), plus every
-tensor storage alive when the step starts (found through the garbage collector: storage that only C++
-objects hold at that moment would be missed). PyTorch's MemTracker runs beside it for the categories
-(parameters, gradients, optimizer state, activations, temporaries); its own peak (``tracker_peak_bytes``)
-misses what C++ allocates, such as DDP's bucket rebuild, and the difference is reported as
-``untracked``. Both slow a step 4-7x, so the runner measures memory on a step of its own. A dry run
-(fake tensors, nothing allocated) uses MemTracker only.
+``profile_memory=True``, counted on every thread from the rank's start (``start_cpu_accounting``; where
+that could not run, from the step's start plus every tensor storage then alive, found through the
+garbage collector). PyTorch's MemTracker runs beside it for the categories (parameters, gradients,
+optimizer state, activations, temporaries); its own peak (``tracker_peak_bytes``) misses what C++
+allocates out of its sight, and the difference is reported as ``untracked``. Both slow a step 4-7x,
+so the runner measures memory on a step of its own. A dry run (fake tensors, nothing allocated) uses
+MemTracker only.
 """
 
 from __future__ import annotations
@@ -192,23 +192,10 @@ def start_cpu_accounting() -> None:
     if flag is None:
         return
     flag.value = True
-    from torch.profiler import ProfilerActivity, profile
-
     # The total is not readable from Python; a one-byte allocation under the profiler reports it.
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        probe = torch.empty(1, dtype=torch.uint8)
-    del probe
-    _accounting_base = None
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    from torch._C._profiler import _EventType
-
-    while stack:
-        event = stack.pop()
-        stack.extend(event.children)
-        f = event.extra_fields
-        if event.tag == _EventType.Allocation and int(f.alloc_size) > 0:
-            _accounting_base = int(f.total_allocated) - int(f.alloc_size)
-            break
+    with _AllocatorPeak() as probe:
+        torch.empty(1, dtype=torch.uint8)
+    _accounting_base = probe.start_total
 
 
 def stop_cpu_accounting() -> None:
