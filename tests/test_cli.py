@@ -79,6 +79,24 @@ def test_unknown_command_and_help(capsys):
     assert "estimate" in capsys.readouterr().out
 
 
+def test_sigterm_mid_point_is_one_line_and_exit_143(monkeypatch, capsys):
+    """A run or sweep terminated mid-point (the supervisor raises ``Terminated`` once the ranks are
+    reaped): one line saying no row was written, exit 128 + 15, no traceback."""
+    from harness.cli import main as cli
+    from harness.runner.supervisor import Terminated
+
+    def terminated(overrides):
+        raise Terminated("SIGTERM reached rank 1: the point has no outcome")
+
+    monkeypatch.setitem(cli.COMMANDS, "sweep", terminated)
+    assert main(["sweep", "+study=cpu_smoke"]) == 143
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "harness sweep: terminated (SIGTERM reached rank 1: the point has no outcome); no row was "
+        "written for the point in progress: run the sweep again to resume"
+    ]
+
+
 def test_plan_lists_fitting_layouts(capsys):
     assert (
         main(

@@ -136,6 +136,16 @@ def test_sigterm_reaps_every_rank_and_records_nothing(monkeypatch, no_leftovers)
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
+def test_sigterm_to_a_rank_records_nothing(monkeypatch, no_leftovers):
+    """``kill`` of a sweep's whole process group reaches its ranks too, and a rank can end before the
+    supervisor sees the signal. That rank's "Terminated: SIGTERM" was written as a ``crash`` row, which a
+    resumed sweep never ran again; the point has no outcome, so there is no row, as above."""
+    inject(monkeypatch, lambda: os.kill(os.getpid(), signal.SIGTERM))  # rank 1 alone is signalled
+    with pytest.raises(Terminated, match="rank 1"):
+        run_point(spec("tiny", parallel_dp=2, **FAST), timeout_s=120)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
 def test_impossible_layout_starts_nothing(no_leftovers):
     def never(*args, **kwargs):  # pragma: no cover - must not be called
         raise AssertionError("a process was started for an invalid point")

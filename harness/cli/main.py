@@ -5,11 +5,13 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
 from harness import __version__
 from harness.cli.config import ConfigError, compose, engine_name, gpu_scale_defaults, run_spec
+from harness.runner.supervisor import Terminated
 from harness.specs import InvalidSpec
 
 
@@ -410,6 +412,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Bad input is one line that says what is wrong, never a traceback.
         print(f"harness {command}: error: {exc}", file=sys.stderr)
         return 2
+    except Terminated as exc:  # SIGTERM mid-point: its ranks are reaped and it has no row
+        print(
+            f"harness {command}: terminated ({exc}); no row was written for the point in progress"
+            + (": run the sweep again to resume" if command == "sweep" else ""),
+            file=sys.stderr,
+        )
+        return 128 + signal.SIGTERM
 
 
 if __name__ == "__main__":

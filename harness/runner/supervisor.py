@@ -38,9 +38,10 @@ HOST_OOM_ERRORS = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllo
 
 
 class Terminated(BaseException):
-    """SIGTERM reached the supervisor (``kill``, a job scheduler): the point's ranks are reaped, no
-    record is written (the point did not run to an outcome; a resumed sweep runs it again), and the
-    exception goes on up. A BaseException so that handlers of ordinary errors let it through."""
+    """SIGTERM reached the supervisor or one of its ranks (``kill``, a job scheduler): the point's ranks
+    are reaped, no record is written (the point did not run to an outcome; a resumed sweep runs it
+    again), and the exception goes on up. A BaseException so that handlers of ordinary errors let it
+    through; the command line turns it into one line and exit status 143 (128 + SIGTERM)."""
 
 
 def _raise_terminated(signum, frame):
@@ -458,6 +459,14 @@ def _record(
     # Ranks a supervisor killed (stragglers after a failure, or everyone at the deadline) are not the
     # cause of anything.
     failed = [(r, c, ranks[r]) for r, c in sorted(codes.items()) if c != 0 and r not in killed_here]
+    outside = [r for r, _, info in failed if (info.get("error") or "").startswith(f"{Terminated.__name__}:")]
+    if outside:
+        # A rank forked from this supervisor inherits its SIGTERM handler and ends with Terminated: the
+        # signal came from outside (``kill`` of the sweep's process group, as a shell's job control or a
+        # tool stopping a job sends it), not from the point. Seen: an interrupted local sweep left a
+        # `crash` row "Terminated: SIGTERM" that its resume never ran again. No row, as when SIGTERM
+        # reaches the supervisor itself.
+        raise Terminated(f"SIGTERM reached rank {outside[0]}: the point has no outcome")
     stuck = sorted(killed_here)
     if failed and stuck and all(_symptom(entry) for entry in failed):
         # Every rank that ended did so on a peer's absence, and the ranks still running when the
