@@ -131,6 +131,23 @@ def test_emitted_study_is_swept_as_it_is(tmp_path, capsys):
     assert "harness sweep: 4 points: 4 to launch" in r.stdout
 
 
+def test_emitted_study_keeps_each_layouts_recompute_every():
+    """Every N-th block checkpointed is a layout's own setting: a study whose first layout is not
+    ``full`` (its recompute_every canonical 1) must still give the full layout its N."""
+    from harness.cli.emit import study_text
+    from harness.specs import canonical
+
+    op = canonical(dataclasses.replace(BASE, train=dataclasses.replace(BASE.train, recompute="op")))
+    every2 = canonical(
+        dataclasses.replace(BASE, train=dataclasses.replace(BASE.train, recompute="full", recompute_every=2))
+    )
+    study = yaml.safe_load(study_text([op, every2], name="x", how="test", command="harness sweep +study=x"))
+    grids = study["hydra"]["sweeper"]["grids"]
+    assert [g["train.recompute"] for g in grids] == ["op", "full"]
+    assert [g["train.recompute_every"] for g in grids] == [1, 2]
+    assert "recompute_every" not in study["train"]
+
+
 def test_emit_path_must_be_a_study_folder(tmp_path, capsys):
     assert main(["plan", "model=small", "device.memory_gib=1", f"plan.emit={tmp_path}/my_plan.yaml"]) == 2
     captured = capsys.readouterr()

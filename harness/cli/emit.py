@@ -31,7 +31,9 @@ POINT_FIELDS = {
         "virtual_stages",
         "cp_load_balance",
     ),
-    "train": ("micro_batch_size", "num_microbatches", "recompute"),
+    # recompute_every too: canonical() resets it to 1 unless recompute is full, so taken from the first
+    # layout it would have reset every full layout's N.
+    "train": ("micro_batch_size", "num_microbatches", "recompute", "recompute_every"),
 }
 
 

@@ -38,8 +38,9 @@ MEANINGS: dict[str, str] = {
     "train.seq_len": "tokens per sequence s",
     "train.micro_batch_size": "sequences per micro-batch b",
     "train.num_microbatches": "micro-batches per step m (null: one per pipeline stage)",
-    "train.recompute": "activation recomputation: none | selective | full",
-    "train.recompute_every": "recompute every n-th layer (with train.recompute)",
+    "train.recompute": "activation recomputation: none | selective (attention core) | op (torchtitan's "
+    "op policy) | full",
+    "train.recompute_every": "with train.recompute=full: checkpoint every n-th block (1: every block)",
     "train.precision": "bf16 (mixed precision) | fp32",
     "train.attention": "flash (no s×s scores stored) | math (scores materialised)",
     "train.steps": "steps run: 1 warm-up, then timed steps (>= 2)",
@@ -61,7 +62,8 @@ MEANINGS: dict[str, str] = {
     "threshold": "utilisation (predicted peak / capacity) at or below which a configuration fits",
     "explain": "true: a glossary of the table's rows and columns under it",
     "results_dir": "where sweep and run write rows, and calibrate/report read them",
-    "calibration": "PATH of a calibration profile (from calibrate): estimate/plan add the calibrated peak",
+    "calibration": "PATH of a calibration profile (from calibrate): estimate/plan add the calibrated peaks; "
+    "plan ranks by its fitted step time",
     # calibrate / report
     "calibrate.group_by": "held-out runs are new: world (sizes) | model | layout (tp-pp-cp)",
     "calibrate.profile": "where calibrate writes the profile (null: <results_dir>/calibration.json)",
@@ -133,7 +135,10 @@ COMMAND_HELP: dict[str, Command] = {
     "estimate": Command(
         "analytical per-rank memory and FLOPs of one configuration, term by term, with a verdict",
         "Every memory term per pipeline stage, the most-loaded rank, its utilisation of the device and "
-        "whether it fits under threshold. A GPU-scale model (a published preset or model.hf_config) is "
+        "whether it fits under threshold, at three levels: allocated (the tensors), reserved (+ the "
+        "caching allocator's segment rounding and cuBLAS workspaces) and device (+ CUDA context and "
+        "NCCL buffers, outside the allocator); the verdict is the device level's. A GPU-scale model "
+        "(a published preset or model.hf_config) is "
         "judged on device=h100_94gb with train=paper (the published study's) unless device= or train= "
         "is named.",
         ESTIMATE_KEYS,
@@ -163,7 +168,8 @@ COMMAND_HELP: dict[str, Command] = {
         "one short real training step: peak memory per rank, step time, TFLOP/s, MFU; or how it failed",
         "Fresh worker processes run a warm-up step, then measured steps, and print one record: status "
         "ok, oom, timeout, crash or invalid. Exit status 0 for every recorded outcome, 1 when the status "
-        "is listed in run.fail_on, 2 for bad input. The device stays cpu unless device= is named.",
+        "is listed in run.fail_on, 2 for bad input, 143 when SIGTERM ends it mid-point (no record). The "
+        "device stays cpu unless device= is named.",
         ("model.", "parallel.", "train.", "device.", "format", "results_dir", "run."),
         ("model", "parallel", "train", "device"),
         ("harness run parallel.dp=2 parallel.tp=2 parallel.zero_stage=3 run.fail_on=oom,crash,timeout",),
@@ -190,15 +196,19 @@ COMMAND_HELP: dict[str, Command] = {
     "calibrate": Command(
         "fit coefficients on the estimator's terms to the runs in results_dir; judge every estimator",
         "Cross-validated on held-out runs (calibrate.group_by): median and p95 error, worst "
-        "under-prediction and safe utilisation threshold of every estimator; writes a profile that "
-        "estimate and plan take as calibration=PATH.",
+        "under-prediction and safe utilisation threshold of every estimator; the fragmentation term "
+        "(reserved - allocated) where runs report reserved memory; the step-time model, judged by its "
+        "held-out error, the rank correlation within each (model, world size) group and the measured "
+        "throughput of the layout it ranks first. Writes a profile that estimate and plan take as "
+        "calibration=PATH.",
         ("results_dir", "engine.", "format", "calibrate."),
         ("engine",),
         ("harness calibrate results_dir=results/cpu_study calibrate.group_by=layout",),
     ),
     "report": Command(
         "results_dir/report.md with figures, every number from the runs",
-        "Memory accuracy of every estimator, safe threshold, out-of-memory map, TFLOP/s by layout.",
+        "Memory accuracy of every estimator, safe threshold, out-of-memory map, fragmentation, "
+        "TFLOP/s by layout, and which layout is fastest: predicted vs measured.",
         ("results_dir", "engine.", "calibrate.group_by", "report."),
         ("engine",),
         ("harness report results_dir=results/cpu_study",),
