@@ -8,8 +8,9 @@ Points: a small model on one rank; the same on 2 ranks sharing the GPU over gloo
 parallelism; and a 2-layer Llama-3-8B-shaped model whose micro-batch is chosen from the estimator so that
 its predicted peak lies between 40 and 80 GB, run once as an emulated A100 40 GB (the process's memory
 fraction capped: a real ``torch.OutOfMemoryError`` is expected) and once as an emulated 80 GB card
-(expected to fit). Prints one line per point and writes every record to DIR/gpu_check.json (DIR: $OUT
-if set, else results/gpu_check).
+(expected to fit). Prints one line per point and writes every record to DIR/gpu_check.json after each
+point (DIR: $OUT if set, else results/runner_checks/gpu_check), so a device lost mid-check keeps what
+ran.
 
 The caching-allocator model (issue 13) is judged on the same points: every rank records the allocator's
 own history (``run.trace``), and replaying that real trace through ``harness.alloc`` must give the
@@ -17,6 +18,12 @@ measured ``max_memory_reserved`` exactly; one FP32 point is also run on the CPU,
 CPU-recorded trace must come within 5 % of the GPU's reserved peak. The memory outside the allocator
 (``device_used_bytes`` minus reserved on the one-rank point: CUDA context and libraries) is printed
 beside the device preset's ``cuda_context_mib``.
+
+Fake runs on the GPU's numbers (issue 14, item 5): every point that ran is traced again with
+``run.mode=fake`` (the same spec; CUDA's kernels stood in for the CPU's) and the fake peak is printed
+beside the real allocated peak. The step-time model (issue 17, item 5) is fitted on the points that ran
+(in sample: a handful of points cannot hold out a world size) and each point's predicted step time is
+printed beside the measured one; the fit goes into gpu_check.json as ``step_time_fit``.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from pathlib import Path
 from harness.alloc import load_trace, replay
 from harness.cli.config import compose, run_spec
 from harness.estimate import estimate
+from harness.runner.fake import run_fake
 from harness.runner.supervisor import run_point
 
 GIB = 2**30
@@ -117,9 +125,73 @@ def check_replay(record: dict, overrides: list[str]) -> bool:
     return exact and close
 
 
+def check_fake(record: dict, overrides: list[str]) -> dict:
+    """The same point traced with run.mode=fake: its peak beside the real allocated peak (the fake run
+    cannot see the caching allocator's rounding, which ``peak_allocated_bytes`` includes)."""
+    fake = run_fake(run_spec(compose(overrides)), timeout_s=300)
+    real, traced = record.get("peak_allocated_bytes"), fake.get("peak_allocated_bytes")
+    if real and traced:
+        print(
+            f"  fake run: {traced / GIB:.3f} GiB vs real allocated {real / GIB:.3f} GiB "
+            f"({(traced - real) / real:+.2%})"
+        )
+    else:
+        print(f"  fake run: status {fake.get('status')}; {fake.get('error') or ''}")
+    return {
+        k: fake.get(k)
+        for k in ("status", "peak_allocated_bytes", "per_rank_peak_bytes", "fake_kernels", "error")
+    }
+
+
+def step_time_fit(records: list[dict]) -> dict | None:
+    """The step-time model fitted on the points that ran (in sample), each point's prediction beside
+    its measurement; None below 3 timed points."""
+    import numpy as np
+    import pandas as pd
+
+    from harness.calibrate import StepTimeCalibrator, step_time_rows
+    from harness.estimate.steptime import TERMS as STEP_TIME_TERMS
+
+    runs = step_time_rows(pd.DataFrame(records))
+    # One device preset: the emulated cards' presets carry another card's peak and links.
+    runs = (
+        runs[runs["st_device"] == runs["st_device"].mode()[0]].reset_index(drop=True) if len(runs) else runs
+    )
+    if len(runs) < 3:
+        return None
+    columns = [f"st_{k}" for k in STEP_TIME_TERMS]
+    fit = StepTimeCalibrator().fit(
+        runs[columns].to_numpy(dtype=float), runs["step_time_s"].to_numpy(dtype=float)
+    )
+    predicted = fit.predict(runs[columns].to_numpy(dtype=float))
+    measured = runs["step_time_s"].to_numpy(dtype=float)
+    points = []
+    for name, p, m in zip(runs.get("check_name", runs["config_id"]), predicted, measured, strict=True):
+        print(f"  step time {name}: predicted {p:.3f} s, measured {m:.3f} s ({(p - m) / m:+.1%})")
+        points.append({"point": name, "predicted_s": float(p), "measured_s": float(m)})
+    model = fit.model(str(runs["st_device"].iloc[0]))
+    print(f"  fit (in sample, {len(runs)} points on {model.device}): " + "; ".join(model.describe()))
+    return {
+        "in_sample_median_ape": float(np.median(np.abs(predicted - measured) / measured)),
+        "coefficients": {k: float(v) for k, v in model.coefficients.items()},
+        "constant_s": model.constant_s,
+        "unfitted": list(model.unfitted),
+        "points": points,
+    }
+
+
+def write(out: Path, records: list[dict], fit: dict | None = None) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "gpu_check.json"
+    tmp = path.with_name(".gpu_check.json.tmp")
+    tmp.write_text(json.dumps({"records": records, "step_time_fit": fit}, indent=1, default=str))
+    os.replace(tmp, path)
+    return path
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.environ.get("OUT") or "results/gpu_check")
+    ap.add_argument("--out", default=os.environ.get("OUT") or "results/runner_checks/gpu_check")
     args = ap.parse_args()
     import torch
 
@@ -149,12 +221,20 @@ def main() -> int:
             flush=True,
         )
         if record["status"] == "ok":
-            failures += not check_replay(record, overrides)
-    (out / "gpu_check.json").parent.mkdir(parents=True, exist_ok=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.json").write_text(json.dumps(records, indent=1, default=str))
-    print(f"{len(records) - failures}/{len(records)} as expected; records in {out / 'gpu_check.json'}")
+            try:  # one point's failed check must not lose the others' (the device time is scarce)
+                failures += not check_replay(record, overrides)
+                record["fake_counterpart"] = check_fake(record, overrides)
+            except Exception as exc:  # reported as a failed check; the run goes on
+                failures += 1
+                print(f"  FAIL check raised {type(exc).__name__}: {exc}")
+        write(out, records)
+    fit = None
+    try:
+        fit = step_time_fit(records)
+    except Exception as exc:  # reported; the records are written either way
+        print(f"  step-time fit raised {type(exc).__name__}: {exc}")
+    path = write(out, records, fit)
+    print(f"{len(records) - failures}/{len(records)} as expected; records in {path}")
     return 1 if failures else 0
 
 
