@@ -33,6 +33,7 @@ ADDED_FIELD_DEFAULTS = {
         "cublas_workspace_mib": 0.0,
         "memory_gbps": None,
         "link_latency_us": None,
+        "inter_node_latency_us": None,
     },
 }
 # Bumped whenever the canonical form or the hashed fields change: old results then get new ids
@@ -126,6 +127,7 @@ class DeviceSpec:
     # For the step-time model only (harness/estimate/steptime.py), like the links: not in config_id.
     memory_gbps: float | None = None
     link_latency_us: float | None = None
+    inter_node_latency_us: float | None = None  # a group spanning nodes (None: link_latency_us)
 
     @property
     def memory_bytes(self) -> int:

@@ -72,6 +72,20 @@ def test_data_parallel_traffic_by_family():
     )
 
 
+def test_latency_per_ring_step_inside_a_node_and_across_nodes():
+    # The H100 presets: 5 us a ring step inside a node, 10 us across nodes. DDP over dp 8 (one node)
+    # and dp 16 (two nodes) of the same model has the same buckets, so the latency terms are in the
+    # ratio (2 * 15 steps * 10 us) / (2 * 7 steps * 5 us) = 300 / 70.
+    s = spec("small", "h100_80gb", parallel_dp=8)
+    assert (s.device.link_latency_us, s.device.inter_node_latency_us) == (5.0, 10.0)
+    one_node, two_nodes = terms_of(s)["dp_latency"], terms_of(replace(s, parallel_dp=16))["dp_latency"]
+    assert math.isclose(two_nodes / one_node, 300 / 70, rel_tol=1e-12)
+    # A preset without an inter-node figure uses the one latency for both: 15 / 7.
+    flat_lat = dataclasses.replace(s, device=dataclasses.replace(s.device, inter_node_latency_us=None))
+    ratio = terms_of(replace(flat_lat, parallel_dp=16))["dp_latency"] / terms_of(flat_lat)["dp_latency"]
+    assert math.isclose(ratio, 15 / 7, rel_tol=1e-12)
+
+
 def test_cpu_ranks_share_the_machine():
     # 4 ranks on a 2-core machine: the machine does all 4 ranks' work, 4 / 2 = 2 cores' worth each.
     s = spec("tiny", "cpu", parallel_dp=4)

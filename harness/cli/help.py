@@ -55,7 +55,8 @@ MEANINGS: dict[str, str] = {
     "device.nccl_mib_per_communicator": "NCCL buffers per communicator, MiB (device level)",
     "device.cublas_workspace_mib": "cuBLAS workspaces, MiB, inside the caching allocator (reserved level)",
     "device.memory_gbps": "memory bandwidth, GB/s, for the step-time model (null: unknown)",
-    "device.link_latency_us": "latency of one collective step, microseconds, for the step-time model",
+    "device.link_latency_us": "latency of one collective step inside a node, microseconds (step-time model)",
+    "device.inter_node_latency_us": "the same for a group spanning nodes (null: link_latency_us)",
     "engine.name": "estimator: paper (published closed form) | megatron | torch (this runner)",
     # output
     "format": "table (for people) | json (for programs)",

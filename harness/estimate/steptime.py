@@ -21,7 +21,8 @@ ESTIMATOR.md §7–§8. Every term is a count of work over the rate the device p
   ``dp_sharded`` (ZeRO 2/3: FSDP's prefetched all-gathers and reduce-scatters): kept apart so that the
   fit learns how much of each family's traffic stays exposed (a coefficient below the others: hidden);
 - ``tp_latency``, ``cp_latency``, ``pp_latency``, ``dp_latency``: ring steps (n − 1 per collective
-  over n ranks, 2(n − 1) per all-reduce, 1 per point-to-point send) times the link's latency per step.
+  over n ranks, 2(n − 1) per all-reduce, 1 per point-to-point send) times the link's latency per step
+  (``link_latency_us`` inside a node, ``inter_node_latency_us`` for a group that spans nodes).
 
 Where a preset lacks a figure (the CPU preset has none) the term is in that figure's unit (1 TFLOP/s,
 1 GB/s, 1 µs) and the fitted coefficient carries the device's rate. A device may host several ranks
@@ -99,6 +100,7 @@ def device_rates(dev: DeviceSpec) -> dict[str, float]:
         "intra": (dev.intra_node_gbps or 1.0) * 1e9,
         "inter": (dev.inter_node_gbps or 1.0) * 1e9,
         "latency": (dev.link_latency_us or 1.0) * 1e-6,
+        "inter_latency": (dev.inter_node_latency_us or dev.link_latency_us or 1.0) * 1e-6,
     }
 
 
@@ -168,7 +170,7 @@ def terms_of(spec: RunSpec, *, cpu_cores: int | None = None) -> dict[str, float]
     def link(span: int) -> tuple[float, float]:
         """(bandwidth B/s, latency s) of a group spanning ``span`` consecutive ranks (tp innermost)."""
         inter = span > spec.device.gpus_per_node and spec.device.name != "cpu"
-        return rate["inter" if inter else "intra"], rate["latency"]
+        return rate["inter" if inter else "intra"], rate["inter_latency" if inter else "latency"]
 
     c = cost(spec)
     dp_rep, dp_shard, dp_count = _dp_collectives(spec)
