@@ -31,6 +31,8 @@ ADDED_FIELD_DEFAULTS = {
         "cuda_context_mib": 0.0,
         "nccl_mib_per_communicator": 0.0,
         "cublas_workspace_mib": 0.0,
+        "nccl_channels": 0,
+        "nccl_buffsize_mib": None,
         "memory_gbps": None,
         "link_latency_us": None,
         "inter_node_latency_us": None,
@@ -124,6 +126,10 @@ class DeviceSpec:
     cuda_context_mib: float = 0.0
     nccl_mib_per_communicator: float = 0.0
     cublas_workspace_mib: float = 0.0
+    # What nccl_mib_per_communicator is made of, so that another NCCL_BUFFSIZE can be estimated: ring
+    # channels per communicator, and the buffer size in MiB (None: NCCL's default, 4 MiB).
+    nccl_channels: int = 0
+    nccl_buffsize_mib: float | None = None
     # For the step-time model only (harness/estimate/steptime.py), like the links: not in config_id.
     memory_gbps: float | None = None
     link_latency_us: float | None = None

@@ -35,3 +35,21 @@ def test_device_level_adds_context_and_nccl_on_a_gpu_and_nothing_on_the_cpu():
     assert record["fits"] == (record["device_total_bytes"] <= 0.8 * record["capacity_bytes"])
     cpu = estimate(spec("tiny", parallel_dp=2))
     assert cpu.device_total_bytes == cpu.reserved_total_bytes == cpu.total_bytes
+
+
+def test_nccl_buffers_follow_nccl_buffsize():
+    # h100_80gb: 496 MiB per communicator at NCCL's default 4 MiB buffer, 24 channels. A channel maps
+    # 4 + 0.5 + 4.69 = 9.19 MiB in 2 MiB granules: 10 MiB; at 8 MiB, 13.19 -> 14 MiB (+4 a channel);
+    # at 1 MiB, 6.19 -> 8 MiB (-2 a channel).
+    import dataclasses
+
+    from harness.estimate.levels import nccl_bytes
+
+    d = spec("tiny", "h100_80gb").device
+    assert nccl_bytes(d) == 496 * MiB
+    assert nccl_bytes(dataclasses.replace(d, nccl_buffsize_mib=4.0)) == 496 * MiB
+    assert nccl_bytes(dataclasses.replace(d, nccl_buffsize_mib=8.0)) == (496 + 24 * 4) * MiB
+    assert nccl_bytes(dataclasses.replace(d, nccl_buffsize_mib=1.0)) == (496 - 24 * 2) * MiB
+    s = spec("llama3_8b", "h100_80gb", parallel_dp=8, parallel_zero_stage=3)
+    bigger = dataclasses.replace(s, device=dataclasses.replace(s.device, nccl_buffsize_mib=8.0))
+    assert estimate(bigger).device_total_bytes - estimate(s).device_total_bytes == 2 * 96 * MiB

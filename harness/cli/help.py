@@ -53,6 +53,8 @@ MEANINGS: dict[str, str] = {
     "device.inter_node_gbps": "link speed between nodes, GB/s (null: unknown)",
     "device.cuda_context_mib": "CUDA context per process, MiB, outside the allocator (device level)",
     "device.nccl_mib_per_communicator": "NCCL buffers per communicator, MiB (device level)",
+    "device.nccl_channels": "NCCL ring channels per communicator behind nccl_mib_per_communicator",
+    "device.nccl_buffsize_mib": "NCCL_BUFFSIZE in MiB (null: NCCL's default 4; changes the NCCL term)",
     "device.cublas_workspace_mib": "cuBLAS workspaces, MiB, inside the caching allocator (reserved level)",
     "device.memory_gbps": "memory bandwidth, GB/s, for the step-time model (null: unknown)",
     "device.link_latency_us": "latency of one collective step inside a node, microseconds (step-time model)",

@@ -60,12 +60,37 @@ def reserved_terms(spec: RunSpec, terms: dict[str, int]) -> dict[str, int]:
     }
 
 
+# NCCL's buffers per channel and connection besides NCCL_BUFFSIZE's SIMPLE buffer: the LL and LL128
+# protocols' (0.5 + 4.69 MiB), all of it mapped in 2 MiB cuMem granules (NVIDIA/nccl#1685 logs
+# 10,485,760 B a channel at the default 4 MiB: 4 + 0.5 + 4.69 rounded up to 10 MiB).
+NCCL_DEFAULT_BUFFSIZE_MIB = 4.0
+NCCL_OTHER_PROTOCOLS_MIB = 0.5 + 4.69
+NCCL_GRANULE_MIB = 2.0
+
+
+def _nccl_channel_mib(buffsize_mib: float) -> float:
+    per = buffsize_mib + NCCL_OTHER_PROTOCOLS_MIB
+    return -(-per // NCCL_GRANULE_MIB) * NCCL_GRANULE_MIB
+
+
+def nccl_bytes(device) -> int:
+    """NCCL's buffers per communicator: the preset's figure, which holds at NCCL's default buffer size,
+    changed by ``nccl_channels`` x the change of each channel's granule-rounded buffers when
+    ``nccl_buffsize_mib`` (NCCL_BUFFSIZE) is set: 8 MiB on 24 channels adds 24 x (14 - 10) = 96 MiB."""
+    mib = device.nccl_mib_per_communicator
+    if device.nccl_buffsize_mib is not None and device.nccl_channels:
+        mib += device.nccl_channels * (
+            _nccl_channel_mib(device.nccl_buffsize_mib) - _nccl_channel_mib(NCCL_DEFAULT_BUFFSIZE_MIB)
+        )
+    return round(max(0.0, mib) * MIB)
+
+
 def outside_terms(spec: RunSpec) -> dict[str, int]:
     """The device level's terms (bytes): memory the process uses outside the caching allocator."""
     d = spec.device
     return {
         "cuda_context": round(d.cuda_context_mib * MIB),
-        "nccl": round(d.nccl_mib_per_communicator * MIB) * communicators(spec),
+        "nccl": nccl_bytes(d) * communicators(spec),
     }
 
 
