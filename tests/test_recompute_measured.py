@@ -18,14 +18,28 @@ POINT = dict(
 )  # fmt: skip
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("method", ["uniform", "block"])
-def test_measured_peak_matches_the_torch_engine(method):
+def _measured_and_every(method: str) -> tuple[int, int]:
     s = spec("tiny", **POINT, train_recompute_method=method)
     record = run_point(s, timeout_s=240)
     assert record["status"] == "ok", record["error"]
     measured = record["peak_allocated_bytes"]
     assert estimate(s, engine="torch").total_bytes == pytest.approx(measured, rel=0.02)
-    # Counted as torchtitan's every-N the estimate misses the method's working set by more than that.
     every = dataclasses.replace(s, train=dataclasses.replace(s.train, recompute_method="every"))
-    assert estimate(every, engine="torch").total_bytes != pytest.approx(measured, rel=0.02)
+    return measured, estimate(every, engine="torch").total_bytes
+
+
+@pytest.mark.slow
+def test_uniform_measured_peak_matches_the_torch_engine():
+    # 2 groups of 2 blocks keep 2 inputs; every 2nd block keeps 2 inputs and 2 whole blocks, which the
+    # estimate counted that way misses by more than the bound.
+    measured, every = _measured_and_every("uniform")
+    assert every != pytest.approx(measured, rel=0.02)
+
+
+@pytest.mark.slow
+def test_block_measured_peak_matches_the_torch_engine():
+    # The first 2 blocks checkpointed keep what every 2nd does; they differ by the last block's
+    # recomputation, which on one rank the loss's buffers hide (the torch engine's peak holds the
+    # larger of the two), so both estimates agree here: measured 169,957,032 B, estimated 169,326,080 B.
+    measured, every = _measured_and_every("block")
+    assert every == pytest.approx(measured, rel=0.02)
