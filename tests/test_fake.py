@@ -115,6 +115,14 @@ LAYOUTS = {
         "parallel_virtual_stages": 2,
         "train_num_microbatches": 2,
     },
+    # Megatron's uniform method: groups of blocks under one checkpoint, inside FSDP2's per-block units
+    "fsdp_recompute_uniform": {
+        "parallel_dp": 2,
+        "parallel_zero_stage": 3,
+        "train_recompute": "full",
+        "train_recompute_every": 2,
+        "train_recompute_method": "uniform",
+    },
 }
 
 
