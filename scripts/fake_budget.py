@@ -12,6 +12,12 @@ Before and after a change to the fake mode: ``--compare REV`` traces each point 
 ``--repeats`` times each, each run a fresh process, and prints whether every figure of every traced
 rank is the same (peaks, categories, the sim_* replay, partitions; not the timings) and the CPU
 seconds of ``run_fake`` (the process and its tracing children, median) and its wall seconds.
+
+What a study costs: ``--grid STUDY`` (e.g. paper_a100_40gb_fake) lists its points that the fake mode
+traces, by model, with their traced ranks and the blocks × micro-batches those ranks run (a rank's
+trace costs roughly a fixed part plus a part per block and micro-batch; sequence length and
+micro-batch size change only shapes, which cost a fake tensor nothing). ``--rank R`` on a few sampled
+points gives the CPU seconds per rank to multiply with.
 """
 
 from __future__ import annotations
@@ -43,9 +49,13 @@ def main() -> None:
     ap.add_argument("--compare", metavar="REV", help="trace the points with revision REV and with this tree")
     ap.add_argument("--point", action="append", default=None, help='"override ..." (with --compare)')
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--grid", metavar="STUDY", help="the traced ranks of sweeps/study/STUDY.yaml's points")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.grid:
+        grid(args.grid)
+        return
     if args.compare:
         points = [p.split() for p in (args.point or COMPARE_POINTS)]
         compare(args.compare, points, repeats=args.repeats, timeout_s=args.timeout)
@@ -79,10 +89,13 @@ def main() -> None:
 
 
 def one_rank(spec, rank: int, kernels: str | None) -> None:
-    """One rank's trace in a child process: its seconds, CPU seconds, host memory and peak."""
+    """One rank's trace in a child process, forked after the imports as run_fake forks it: its seconds,
+    CPU seconds, host memory and peak."""
     import time
 
-    from harness.runner.fake import _trace_in_child
+    from harness.runner.fake import _preload, _trace_in_child
+
+    _preload()
 
     r = _trace_in_child(spec, rank, deadline=time.monotonic() + 3600, kernels=kernels)
     if "peak_allocated_bytes" not in r:
@@ -101,6 +114,75 @@ def one_rank(spec, rank: int, kernels: str | None) -> None:
         f"torch engine, stage {stage}: {est.total_bytes / GIB:.3f} GiB; "
         + ", ".join(f"{k} {v / GIB:.3f}" for k, v in est.terms.items() if v)
     )
+
+
+def grid_points(study: str) -> list:
+    """The canonical specs of a study's grid (sweeps/study/STUDY.yaml: its sweeper's params, each
+    ``grids`` entry over them) that the fake mode traces; invalid points are left out."""
+    import itertools
+    from pathlib import Path
+
+    import yaml
+
+    from harness.runner.fake import fake_problems
+    from harness.specs import DeviceSpec, InvalidSpec, ModelSpec, ParallelSpec, RunSpec, TrainSpec, canonical
+
+    sweeps = Path(__file__).resolve().parents[1] / "sweeps"
+
+    def preset(group: str, name: str) -> dict:
+        return yaml.safe_load((sweeps / group / f"{name}.yaml").read_text())
+
+    cfg = yaml.safe_load((sweeps / "study" / f"{study}.yaml").read_text())
+    defaults = {k.split("/")[-1]: v for d in cfg["defaults"] for k, v in d.items()}
+    sweeper = cfg["hydra"]["sweeper"]
+    specs = {}
+    for extra in sweeper.get("grids") or [{}]:
+        params = {**sweeper["params"], **extra}
+        keys = list(params)
+        values = [str(params[k]).split(",") for k in keys]
+        for combo in itertools.product(*values):
+            point = dict(zip(keys, combo, strict=True))
+            par = {k.split(".", 1)[1]: v for k, v in point.items() if k.startswith("parallel.")}
+            par = {k: None if v == "null" else int(v) for k, v in par.items()}
+            train = {**preset("train", defaults["train"])}
+            train.update({k.split(".", 1)[1]: int(v) for k, v in point.items() if k.startswith("train.")})
+            spec = RunSpec(
+                ModelSpec(**preset("model", point.get("model", defaults["model"]))),
+                ParallelSpec(**par),
+                TrainSpec(**train),
+                DeviceSpec(**preset("device", defaults["device"])),
+            )
+            try:
+                spec = canonical(spec)
+            except InvalidSpec:
+                continue
+            if not fake_problems(spec):
+                specs[spec] = None
+    return list(specs)
+
+
+def grid(study: str) -> None:
+    """Points, traced ranks and blocks × micro-batches per traced rank of a study, by model and layout."""
+    from collections import defaultdict
+
+    from harness.runner.fake import traced_ranks
+
+    points = grid_points(study)
+    rows: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0])
+    for s in points:
+        p = s.parallel
+        ranks = len(traced_ranks(s)) + (1 if p.zero_stage == 1 and p.dp * p.cp > 1 else 0)
+        key = (s.model.name, p.tp, p.cp, p.pp, s.model.num_layers // p.pp)
+        row = rows[key]
+        row[0] += 1
+        row[1] += ranks
+        row[2] += ranks * (s.model.num_layers // p.pp) * s.train.num_microbatches
+    print(f"{study}: {len(points)} points the fake mode traces (a ZeRO-1 point counted with its extra rank)")
+    print("model        tp cp pp blocks/stage  points  traced ranks  blocks x micro-batches")
+    for (name, tp, cp, pp, blocks), (n, ranks, passes) in sorted(rows.items()):
+        print(f"{name:12s} {tp:2d} {cp:2d} {pp:2d} {blocks:12d} {n:7d} {ranks:13d} {passes:23d}")
+    total = [sum(r[i] for r in rows.values()) for i in range(3)]
+    print(f"total{'':30s}{total[0]:7d} {total[1]:13d} {total[2]:23d}")
 
 
 # A handful of layouts, cut to a few layers so that each traces in seconds here: tensor and pipeline
