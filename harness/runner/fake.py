@@ -308,7 +308,9 @@ def _trace_in_child(spec: RunSpec, rank: int, *, deadline: float, kernels: str |
     memory stays clean); its result, an error, or ``timed_out``."""
     with tempfile.TemporaryDirectory(prefix="harness-fake-") as tmp:
         running = {rank: _start_child(spec, rank, Path(tmp) / "rank.json", kernels)}
-        return _wait_any(running, deadline)[rank]
+        while running:
+            ended = _wait_any(running, deadline)
+        return ended[rank]
 
 
 def _start_child(spec: RunSpec, rank: int, out: Path, kernels: str | None) -> tuple[Any, Path]:
@@ -323,17 +325,20 @@ def _wait_any(running: dict[int, tuple[Any, Path]], deadline: float) -> dict[int
     them all); the results of those that ended, removed from ``running``."""
     from multiprocessing.connection import wait
 
-    wait([proc.sentinel for proc, _ in running.values()], timeout=max(1.0, deadline - time.monotonic()))
+    ended = wait(
+        [proc.sentinel for proc, _ in running.values()], timeout=max(1.0, deadline - time.monotonic())
+    )
     out = {}
     for rank, (proc, path) in list(running.items()):
-        if proc.exitcode is None and time.monotonic() < deadline:
-            continue
-        del running[rank]
-        if proc.exitcode is None:
+        if proc.sentinel not in ended:
+            if time.monotonic() < deadline:
+                continue
+            del running[rank]
             _kill(proc)
             out[rank] = {"rank": rank, "timed_out": True}
             continue
-        proc.join()
+        del running[rank]
+        proc.join()  # (it has exited: its sentinel is ready; joining reaps it and sets its exit code)
         try:
             result = json.loads(path.read_text())
         except (OSError, ValueError):
