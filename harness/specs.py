@@ -17,14 +17,19 @@ from typing import Any
 PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 # none; selective: the attention core (Korthikanti et al. 2022); op: torchtitan's op-level policy (the
 # outputs of matmuls, every second one excepted, and of the attention kernels are kept, the rest
-# recomputed); full: whole transformer blocks (every ``recompute_every``-th one).
+# recomputed); full: whole transformer blocks (every ``recompute_every``-th one, or Megatron's methods).
 RECOMPUTE = ("none", "selective", "op", "full")
+# Which blocks full recomputation checkpoints, N = ``recompute_every`` (per pipeline stage / virtual
+# chunk): every: every N-th block (torchtitan's layer option); uniform: groups of N consecutive blocks,
+# each checkpointed as one unit; block: the first N blocks one by one, the rest not recomputed (Megatron's
+# ``--recompute-method uniform|block --recompute-num-layers N``).
+RECOMPUTE_METHODS = ("every", "uniform", "block")
 PRECISIONS = ("bf16", "fp32")
 ATTENTION = ("flash", "math")
 # Fields added after the first study, left out of the hashed payload (config_id, raw_id) while they hold
 # this default, so that every spec that existed before keeps its id.
 ADDED_FIELD_DEFAULTS = {
-    "train": {"recompute_every": 1},
+    "train": {"recompute_every": 1, "recompute_method": "every"},
     # The device's memory-beside-tensors constants and step-time figures: config_id hashes only the
     # device's name and capacity; raw_id (invalid points) leaves them out while they hold the default.
     "device": {
@@ -104,6 +109,10 @@ class TrainSpec:
     # With recompute=full, only every N-th transformer block is checkpointed (torchtitan's layer option
     # ``selective_ac_option=N``); 1 = every block. Reset to 1 by :func:`canonical` under other modes.
     recompute_every: int = 1
+    # With recompute=full, which blocks N (``recompute_every``) selects: "every" N-th (torchtitan), or
+    # Megatron's "uniform" (groups of N blocks per checkpoint) or "block" (the first N blocks), N being
+    # Megatron's ``--recompute-num-layers``. Reset to "every" by :func:`canonical` under other modes.
+    recompute_method: str = "every"
     precision: str = "bf16"
     attention: str = "flash"
     steps: int = 3
@@ -299,6 +308,7 @@ def layout_problems(spec: RunSpec) -> list[str]:
         out.append(f"parallel.zero_stage={p.zero_stage} must be 0, 1, 2 or 3")
     for name, value, allowed in (
         ("train.recompute", t.recompute, RECOMPUTE),
+        ("train.recompute_method", t.recompute_method, RECOMPUTE_METHODS),
         ("train.precision", t.precision, PRECISIONS),
         ("train.attention", t.attention, ATTENTION),
     ):
@@ -313,7 +323,9 @@ def canonical(spec: RunSpec) -> RunSpec:
     The canonical form resolves ``dp``/``world_size`` and resets fields that have no effect, so that
     the same run spelled two ways gets one ``config_id``: ``pp_schedule``/``virtual_stages`` when
     pp = 1, ``sequence_parallel`` when tp = 1, ``cp_load_balance`` when cp = 1; and it resolves
-    ``num_microbatches`` None to pp; ``recompute_every`` when recompute is not full.
+    ``num_microbatches`` None to pp; ``recompute_every`` and ``recompute_method`` when recompute is not
+    full; and Megatron's methods where they checkpoint every block alone, as ``every`` 1 does: ``uniform``
+    with N = 1, ``block`` with N at least the layers of a model chunk (L/(pp·virtual_stages)).
     """
     reasons = problems(spec)
     if reasons:
@@ -337,8 +349,12 @@ def canonical_form(spec: RunSpec) -> RunSpec:
     t = spec.train
     if t.num_microbatches is None:
         t = dataclasses.replace(t, num_microbatches=p.pp)
-    if t.recompute != "full":
-        t = dataclasses.replace(t, recompute_every=1)
+    chunk_layers = spec.model.num_layers // (p.pp * p.virtual_stages)
+    if t.recompute != "full" or (
+        (t.recompute_method == "uniform" and t.recompute_every == 1)
+        or (t.recompute_method == "block" and t.recompute_every >= chunk_layers)
+    ):
+        t = dataclasses.replace(t, recompute_every=1, recompute_method="every")
     return dataclasses.replace(spec, parallel=p, train=t)
 
 
@@ -420,7 +436,8 @@ def from_dict(data: dict[str, Any]) -> RunSpec:
 
 def from_flat(row: dict[str, Any]) -> RunSpec:
     """The inverse of :func:`flat`: a RunSpec from a record's columns (``parallel_tp``, …). A column a
-    table stores as float because some rows are null (NaN) comes back as the field's int or None."""
+    table stores as float because some rows are null (NaN) comes back as the field's int or None; an
+    added field (``ADDED_FIELD_DEFAULTS``) that is missing or null takes its default."""
     data: dict[str, dict[str, Any]] = {}
     for section, cls in (
         ("model", ModelSpec),
@@ -441,6 +458,8 @@ def from_flat(row: dict[str, Any]) -> RunSpec:
                 value = None
             elif isinstance(value, float) and "int" in types and value.is_integer():
                 value = int(value)
+            if value is None and ADDED_FIELD_DEFAULTS.get(section, {}).get(f.name) is not None:
+                continue  # an added field's null: a row written before it existed, beside newer rows
             given[f.name] = value
         data[section] = given
     return from_dict(data)

@@ -240,3 +240,47 @@ def test_full_recompute_every_nth_block():
     # Under pp 2 each stage's chunk of 2 blocks is counted on its own: 1 checkpointed per chunk.
     pp = replace(s, parallel_pp=2, train_num_microbatches=2)
     assert act.checkpointed_layers(pp.model, pp.parallel, pp.train) == 1
+
+
+def _stage(s, engine="torch"):
+    return act.stage_layer_activations(s.model, s.parallel, s.train, stage=0, engine=engine)
+
+
+def test_megatron_uniform_method_recomputes_a_group_at_once():
+    # Megatron's uniform N = 2 on tiny's 4 blocks: groups (1, 2) and (3, 4), each keeping its input
+    # (131,072 B); backward recomputes a whole group: 2 full layers (2,621,440 B each) less the kept
+    # input: 262,144 + 5,242,880 − 131,072 = 5,373,952.
+    s = spec(
+        "tiny", **BASE, train_recompute="full", train_recompute_every=2, train_recompute_method="uniform"
+    )
+    m, p, t = s.model, s.parallel, s.train
+    assert act.checkpointed_layers(m, p, t) == 2
+    assert act.recomputed_layers(m, p, t) == 4
+    assert act.recompute_working_set(m, p, t, engine="torch") == 2 * 2_621_440 - 131_072
+    assert _stage(s) == 5_373_952
+    # megatron: 2,359,296 per layer: 262,144 + 2 · 2,359,296 − 131,072 = 4,849,664.
+    assert _stage(s, "megatron") == 4_849_664
+    # N = 3: groups (1, 2, 3) and (4); the 4th is recomputed first, then the first group, after the
+    # 4th's input is freed: 262,144 + 3 · 2,621,440 − 2 · 131,072 = 7,864,320.
+    assert _stage(replace(s, train_recompute_every=3)) == 7_864_320
+    # N = 4, one group: its input and all 4 layers at once, what no recomputation holds.
+    none = replace(s, train_recompute="none")
+    assert _stage(replace(s, train_recompute_every=4)) == _stage(none) == 4 * 2_621_440
+    # pp 2: each stage's chunk of 2 blocks is one group.
+    pp = replace(s, parallel_pp=2, train_num_microbatches=2)
+    assert act.checkpointed_layers(pp.model, pp.parallel, pp.train) == 1
+
+
+def test_megatron_block_method_checkpoints_the_first_blocks():
+    # Megatron's block N = 2 on 4 blocks: the 1st and 2nd keep their input (131,072 B each), the 3rd
+    # and 4th everything (2,621,440 B each); backward has freed the 4th and 3rd before it recomputes
+    # the 2nd, so no working set: 262,144 + 5,242,880 = 5,505,024.
+    s = spec("tiny", **BASE, train_recompute="full", train_recompute_every=2, train_recompute_method="block")
+    m, p, t = s.model, s.parallel, s.train
+    assert act.checkpointed_layers(m, p, t) == act.recomputed_layers(m, p, t) == 2
+    assert act.recompute_working_set(m, p, t, engine="torch") == 0
+    assert _stage(s) == 5_505_024
+    # Every 2nd (torchtitan) keeps the same, but its last block is checkpointed: + 2,490,368.
+    assert _stage(replace(s, train_recompute_method="every")) == 5_505_024 + 2_490_368
+    # megatron: 262,144 + 2 · 2,359,296 = 4,980,736.
+    assert _stage(s, "megatron") == 4_980_736

@@ -115,6 +115,14 @@ LAYOUTS = {
         "parallel_virtual_stages": 2,
         "train_num_microbatches": 2,
     },
+    # Megatron's uniform method: groups of blocks under one checkpoint, inside FSDP2's per-block units
+    "fsdp_recompute_uniform": {
+        "parallel_dp": 2,
+        "parallel_zero_stage": 3,
+        "train_recompute": "full",
+        "train_recompute_every": 2,
+        "train_recompute_method": "uniform",
+    },
 }
 
 
@@ -395,3 +403,110 @@ def test_dtensor_sharding_propagation_is_not_counted():
     s = spec("tiny", parallel_tp=2, train_seq_len=256, train_precision="bf16")
     traced = in_fresh_process(_trace, s, 0)["peak_allocated_bytes"]
     assert traced == pytest.approx(25_186_752, rel=0.001)
+
+
+# --- tracing ranks side by side ----------------------------------------------------------------------
+
+
+def _scripted_tracing(monkeypatch, finishes, results):
+    """``_trace_ranks`` without processes: ``finishes`` says which running ranks end at each wait, in
+    turn; ``results[rank]`` is what each returns (``extra``: the ZeRO-1 rank it names). Returns the
+    started and the killed ranks, in order."""
+    from harness.runner import fake
+
+    started, killed, turns = [], [], iter(finishes)
+
+    def start(spec, rank, out, kernels):
+        started.append(rank)
+        return rank, out
+
+    def wait_any(running, deadline):
+        ended = next(turns)
+        assert set(ended) <= set(running), (ended, sorted(running))
+        for rank in ended:
+            del running[rank]
+        return {rank: {"rank": rank, **results[rank]} for rank in ended}
+
+    monkeypatch.setattr(fake, "_start_child", start)
+    monkeypatch.setattr(fake, "_wait_any", wait_any)
+    monkeypatch.setattr(fake, "_kill", lambda proc: killed.append(proc))
+    monkeypatch.setattr(fake, "_zero1_worst_rank", lambda spec, result: result.get("extra"))
+    return started, killed
+
+
+def _ok(peak, extra=None):
+    return {"peak_allocated_bytes": peak, "extra": extra}
+
+
+def test_ranks_traced_side_by_side_are_recorded_in_one_at_a_time_order(monkeypatch):
+    """Two at a time, rank 8 ends first and names ZeRO-1 rank 9, then rank 0 names rank 1: one at a time
+    would have traced 0, 8, then 1 (named first), then 9. The record lists them so: the worst rank is
+    the first of equal peaks in that order, as before."""
+    from harness.runner.fake import _trace_ranks
+
+    results = {0: _ok(5, extra=1), 8: _ok(7, extra=9), 1: _ok(6), 9: _ok(6)}
+    started, killed = _scripted_tracing(monkeypatch, [[8], [0], [9], [1]], results)
+    traced = _trace_ranks(spec("tiny"), [0, 8], deadline=0.0, kernels=None, jobs=2)
+    assert [r["rank"] for r in traced] == [0, 8, 1, 9]
+    assert started == [0, 8, 9, 1] and killed == []
+
+
+def test_after_a_failure_earlier_ranks_finish_and_later_ones_stop(monkeypatch):
+    """Ranks 0, 4, 8, 12, two at a time. Rank 4 fails while rank 0 still runs: rank 0 finishes (one at
+    a time it was traced before 4), ranks 8 and 12 are never started, and the record ends at rank 4.
+    Then rank 0 failing while rank 4 runs: rank 4 is killed, the record ends at rank 0."""
+    from harness.runner.fake import _trace_ranks
+
+    failed = {"error": "RuntimeError: boom"}
+    results = {0: _ok(5), 4: failed, 8: _ok(1), 12: _ok(1)}
+    started, killed = _scripted_tracing(monkeypatch, [[4], [0]], results)
+    traced = _trace_ranks(spec("tiny"), [0, 4, 8, 12], deadline=0.0, kernels=None, jobs=2)
+    assert [r["rank"] for r in traced] == [0, 4] and "error" in traced[1]
+    assert started == [0, 4] and killed == []
+
+    results = {0: failed, 4: _ok(5), 8: _ok(1)}
+    started, killed = _scripted_tracing(monkeypatch, [[0]], results)
+    traced = _trace_ranks(spec("tiny"), [0, 4, 8], deadline=0.0, kernels=None, jobs=2)
+    assert [r["rank"] for r in traced] == [0]
+    assert started == [0, 4] and killed == [4]
+
+
+def test_trace_jobs_is_bounded_by_ranks_cpus_and_host_memory(monkeypatch):
+    import os
+
+    from harness.runner import fake
+
+    monkeypatch.setattr(fake, "_available_memory_bytes", lambda: 64 * 2**30)
+    assert fake.trace_jobs(1) == 1
+    assert 1 <= fake.trace_jobs(64) <= os.cpu_count()
+    monkeypatch.setattr(fake, "_available_memory_bytes", lambda: 9 * 2**30)  # 9 // 4: two traces fit
+    assert fake.trace_jobs(64) == min(2, os.cpu_count())
+    monkeypatch.setattr(fake, "_available_memory_bytes", lambda: 2**30)
+    assert fake.trace_jobs(64) == 1
+
+
+def _figures_one_and_two_at_a_time(s, queue):
+    from harness.runner.fake import run_fake
+
+    rows = [run_fake(s, jobs=jobs) for jobs in (1, 2)]
+    skip = ("wall_s", "fake_trace_s", "fake_trace_cpu_s", "fake_host_rss_bytes")
+    queue.put([{k: v for k, v in row.items() if k not in skip and not k.startswith("env_")} for row in rows])
+
+
+@pytest.mark.slow
+def test_tracing_ranks_side_by_side_changes_no_figure():
+    """The same point traced one rank at a time and two at a time: the same record (bar the times).
+    (scripts/fake_budget.py --compare checks the same of larger points against an older revision.)"""
+    import multiprocessing
+
+    s = spec("tiny", parallel_pp=2, train_seq_len=128, train_num_microbatches=2)
+    # A spawned process that may fork (in_fresh_process's pool workers may not).
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_figures_one_and_two_at_a_time, args=(s, queue))
+    proc.start()
+    one, two = queue.get(timeout=600)
+    proc.join()
+    assert one["status"] == "ok" and one["fake_traced_ranks"] == [0, 1]
+    nan = [k for k, v in one.items() if v != v]  # (NaN: a step-time spread without timed steps)
+    assert {k: v for k, v in one.items() if k not in nan} == {k: v for k, v in two.items() if k not in nan}

@@ -30,6 +30,17 @@ def test_flops_scale_with_global_batch_and_recompute():
     assert hardware_flops_per_step(full) == round(model_flops_per_step(full) * 4 / 3)
     sel = spec("tiny", train_recompute="selective")
     assert hardware_flops_per_step(sel) == model_flops_per_step(sel) + 4 * 256 * 256 * 4 * 128
+    # tiny has 4 layers: every 2nd block checkpointed runs 2 of 4 forwards again, a sixth of the model
+    # FLOPs (the forward is a third); Megatron's block method with N 1, one of 4: a twelfth.
+    every2 = spec("tiny", train_recompute="full", train_recompute_every=2)
+    assert (
+        hardware_flops_per_step(every2)
+        == model_flops_per_step(every2) + model_flops_per_step(every2) * 2 // 12
+    )
+    block1 = spec("tiny", train_recompute="full", train_recompute_every=1, train_recompute_method="block")
+    assert (
+        hardware_flops_per_step(block1) == model_flops_per_step(block1) + model_flops_per_step(block1) // 12
+    )
 
 
 def test_unknown_convention_is_an_error():

@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 from conftest import in_fresh_process, spec
 
-from harness.runner.parallel.recompute import checkpointed_layers
+from harness.runner.parallel.recompute import checkpoint_groups, checkpointed_layers
 
 SDPA_FUSED = "aten._scaled_dot_product_flash_attention_for_cpu.default"
 
@@ -133,3 +133,35 @@ def test_recompute_every_counts_like_torchtitan():
     assert checkpointed_layers(4, every=2) == [1, 3]
     assert checkpointed_layers(8, every=3) == [2, 5]
     assert checkpointed_layers(2, every=3) == []
+
+
+def test_megatron_methods_group_blocks_like_megatron():
+    # transformer_block.py _checkpointed_forward: uniform runs custom(l, l + N) per checkpoint, block
+    # checkpoints layers 0..N-1 alone.
+    assert checkpoint_groups(4, method="uniform", every=2) == [[0, 1], [2, 3]]
+    assert checkpoint_groups(5, method="uniform", every=2) == [[0, 1], [2, 3], [4]]
+    assert checkpoint_groups(4, method="block", every=3) == [[0], [1], [2]]
+    assert checkpoint_groups(2, method="block", every=3) == [[0], [1]]
+    assert checkpoint_groups(4, method="every", every=2) == [[1], [3]]
+
+
+def test_uniform_groups_keep_parameter_names_and_gradients():
+    import torch
+
+    from harness.runner.model import Llama
+    from harness.runner.parallel.recompute import apply_recompute
+
+    s = spec("tiny", train_seq_len=32, train_precision="fp32")
+    torch.manual_seed(0)
+    ref = Llama(s.model, seq_len=32)
+    grouped = Llama(s.model, seq_len=32)
+    grouped.load_state_dict(ref.state_dict())
+    apply_recompute(grouped, mode="full", every=2, method="uniform")
+    assert grouped.checkpoint_groups == [["0", "1"], ["2", "3"]]
+    # No block is wrapped or renamed: FSDP2's units, the pipeline split and tying see the same names.
+    assert [n for n, _ in grouped.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    x = torch.randint(0, s.model.vocab_size, (2, 32))
+    for mdl in (ref, grouped):
+        mdl(x).float().square().mean().backward()
+    for (name, a), (_, b) in zip(ref.named_parameters(), grouped.named_parameters(), strict=True):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6), name

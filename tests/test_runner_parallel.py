@@ -97,6 +97,27 @@ LAYOUTS = {
     # issue 15: torchtitan's checkpointing modes and the math kernel, alone and under parallelism
     "recompute-op": dict(train_micro_batch_size=4, train_recompute="op"),
     "recompute-full-every2": dict(train_micro_batch_size=4, train_recompute="full", train_recompute_every=2),
+    # Megatron's --recompute-method uniform|block --recompute-num-layers 2, alone and under FSDP2
+    "recompute-full-uniform2": dict(
+        train_micro_batch_size=4,
+        train_recompute="full",
+        train_recompute_every=2,
+        train_recompute_method="uniform",
+    ),
+    "recompute-full-block2": dict(
+        train_micro_batch_size=4,
+        train_recompute="full",
+        train_recompute_every=2,
+        train_recompute_method="block",
+    ),
+    "dp2-zero3-recompute-uniform2": dict(
+        parallel_dp=2,
+        parallel_zero_stage=3,
+        train_micro_batch_size=2,
+        train_recompute="full",
+        train_recompute_every=2,
+        train_recompute_method="uniform",
+    ),
     "attention-math": dict(train_micro_batch_size=4, train_attention="math"),
     "tp2-recompute-op": dict(parallel_tp=2, train_micro_batch_size=4, train_recompute="op"),
     "cp2-math": dict(parallel_cp=2, train_micro_batch_size=4, train_attention="math"),

@@ -195,6 +195,51 @@ def test_recompute_every_is_reset_without_full_and_hashed_only_when_not_1():
     assert from_flat(row).train.recompute_every == 1
 
 
+def test_recompute_method_is_hashed_only_when_not_every_and_reset_where_it_changes_nothing():
+    # Megatron's --recompute-method (train.recompute_method): the default leaves every id as it was.
+    full = raw(train_recompute="full", train_recompute_every=2)
+    every = dataclasses.replace(full, train=dataclasses.replace(full.train, recompute_method="every"))
+    assert config_id(every) == config_id(full)
+    uniform = raw(train_recompute="full", train_recompute_every=2, train_recompute_method="uniform")
+    block = raw(train_recompute="full", train_recompute_every=2, train_recompute_method="block")
+    assert len({config_id(full), config_id(uniform), config_id(block)}) == 3
+    # Without full the method does nothing: reset with N.
+    op = canonical(raw(train_recompute="op", train_recompute_every=2, train_recompute_method="block")).train
+    assert (op.recompute_method, op.recompute_every) == ("every", 1)
+    # uniform with N = 1 and block with N >= the chunk's layers (tiny: 4; pp 2: 2) checkpoint every
+    # block alone, as full does: one id.
+    plain = config_id(raw(train_recompute="full"))
+    assert config_id(raw(train_recompute="full", train_recompute_method="uniform")) == plain
+    assert (
+        config_id(raw(train_recompute="full", train_recompute_every=4, train_recompute_method="block"))
+        == plain
+    )
+    pp = dict(train_recompute="full", parallel_pp=2)
+    assert config_id(raw(**pp, train_recompute_every=2, train_recompute_method="block")) == config_id(
+        raw(**pp)
+    )
+    assert (
+        config_id(raw(train_recompute="full", train_recompute_every=3, train_recompute_method="block"))
+        != plain
+    )
+    # Round trip, and a row without the column (written before it existed) or null in it (beside newer
+    # rows in one table) reads back as the default.
+    assert from_flat(flat(canonical(uniform))) == canonical(uniform)
+    row = {k: v for k, v in flat(spec("tiny")).items() if k != "train_recompute_method"}
+    assert from_flat(row).train.recompute_method == "every"
+    assert from_flat({**row, "train_recompute_method": None}).train.recompute_method == "every"
+    assert from_flat({**row, "train_recompute_every": float("nan")}).train.recompute_every == 1
+
+
+def test_recompute_method_is_validated():
+    assert problems(raw(train_recompute="full", train_recompute_method="blocks")) == [
+        "train.recompute_method='blocks' must be one of every, uniform, block"
+    ]
+    assert problems(
+        raw(train_recompute="full", train_recompute_every=0, train_recompute_method="uniform")
+    ) == ["train.recompute_every=0 must be >= 1"]
+
+
 def test_committed_study_rows_keep_their_ids():
     """Every row of the committed CPU study is found again by the id of its spec, as read back from its
     columns (a new spec field left in the hash at its default would change them all)."""

@@ -48,6 +48,17 @@ def test_stage_flops_split_the_model_over_ranks():
     # Full recomputation runs each layer's forward again: a third of the layers' forward + backward.
     full, extra = stage_flops(replace(s, train_recompute="full"))
     assert full == whole and 0 < extra < whole / 3
+    # Only the blocks a checkpoint covers run again (small: 8 layers): every 2nd, 4 of them; Megatron's
+    # block method with N 2, the first 2; uniform with N 2, all 8 (in groups of 2).
+    every2 = stage_flops(replace(s, train_recompute="full", train_recompute_every=2))[1]
+    assert math.isclose(every2, extra / 2)
+    block2 = stage_flops(
+        replace(s, train_recompute="full", train_recompute_every=2, train_recompute_method="block")
+    )
+    uniform2 = stage_flops(
+        replace(s, train_recompute="full", train_recompute_every=2, train_recompute_method="uniform")
+    )
+    assert math.isclose(block2[1], extra / 4) and uniform2[1] == extra
 
 
 def test_data_parallel_traffic_by_family():

@@ -40,7 +40,11 @@ MEANINGS: dict[str, str] = {
     "train.num_microbatches": "micro-batches per step m (null: one per pipeline stage)",
     "train.recompute": "activation recomputation: none | selective (attention core) | op (torchtitan's "
     "op policy) | full",
-    "train.recompute_every": "with train.recompute=full: checkpoint every n-th block (1: every block)",
+    "train.recompute_every": "with train.recompute=full: n, the blocks per checkpoint rule (1: every block)",
+    "train.recompute_method": (
+        "with full: every (every n-th block) | uniform (groups of n blocks, one checkpoint each) | "
+        "block (the first n blocks); n = recompute_every, Megatron's --recompute-num-layers"
+    ),
     "train.precision": "bf16 (mixed precision) | fp32",
     "train.attention": "flash (no s×s scores stored) | math (scores materialised)",
     "train.steps": "steps run: 1 warm-up, then timed steps (>= 2)",

@@ -188,12 +188,27 @@ def inflight_chunks(p: ParallelSpec, t: TrainSpec, *, stage: int) -> int:
 
 
 def checkpointed_layers(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
-    """Blocks of one model chunk (L/(pp·v) layers) that full recomputation checkpoints: every
-    ``recompute_every``-th, counted per chunk as the runner does (torchtitan's layer option); 0 unless
-    recompute is full."""
+    """Checkpoints in one model chunk (L/(pp·v) layers) under full recomputation, each keeping its input;
+    0 unless recompute is full. Counted per chunk as the runner and Megatron count, N =
+    ``recompute_every``: every N-th block (``every``, torchtitan's layer option), the first N blocks
+    (``block``), one per group of N consecutive blocks (``uniform``, the last group shorter where N does
+    not divide the chunk)."""
     if t.recompute != "full":
         return 0
-    return m.num_layers // (p.pp * p.virtual_stages) // t.recompute_every
+    layers, n = m.num_layers // (p.pp * p.virtual_stages), t.recompute_every
+    if t.recompute_method == "block":
+        return min(n, layers)
+    if t.recompute_method == "uniform":
+        return -(-layers // n)
+    return layers // n
+
+
+def recomputed_layers(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
+    """Blocks of one model chunk that some checkpoint covers (the others keep everything): all of them
+    under ``uniform``, one per checkpoint otherwise; 0 unless recompute is full."""
+    if t.recompute == "full" and t.recompute_method == "uniform":
+        return m.num_layers // (p.pp * p.virtual_stages)
+    return checkpointed_layers(m, p, t)
 
 
 def stage_layer_activations(
@@ -208,10 +223,11 @@ def stage_layer_activations(
 ) -> int:
     """The activations of all layers ``stage`` holds at its peak, with recomputation applied.
 
-    Full recomputation keeps each checkpointed layer's input (every layer's, or with
-    ``recompute_every`` N every N-th; the others keep everything) and, while one layer is recomputed
-    in backward, that layer's full activations once (Korthikanti §4.2: 2sbhL/t plus one layer; the
-    recomputed layer's input, its first norm input, is counted once).
+    Full recomputation keeps each checkpoint's input (:func:`checkpointed_layers`: every layer's, or
+    with ``recompute_every`` N every N-th, the first N, or one per group of N; blocks no checkpoint
+    covers keep everything) and, while one checkpoint is recomputed in backward, its full activations
+    once (Korthikanti §4.2: 2sbhL/t plus one layer; the recomputed layer's input, its first norm input,
+    is counted once; :func:`recompute_working_set`).
     Selective recomputation keeps everything but the attention kernel's extra tensors, which one
     layer's recomputed attention core holds again during backward; op keeps :func:`op_layer_bytes`
     per layer and one layer's recomputation (:func:`recompute_working_set`).
@@ -219,9 +235,8 @@ def stage_layer_activations(
     layers_per_chunk = m.num_layers // (p.pp * p.virtual_stages)
     chunks = inflight_chunks(p, t, stage=stage)
     if t.recompute == "full":
-        kept = checkpointed_layers(m, p, t)
-        chunk = kept * layer_input_bytes(m, p, t)
-        chunk += (layers_per_chunk - kept) * layer_activation_bytes(
+        chunk = checkpointed_layers(m, p, t) * layer_input_bytes(m, p, t)
+        chunk += (layers_per_chunk - recomputed_layers(m, p, t)) * layer_activation_bytes(
             m, p, t, engine=engine, recompute="none", fused_norm=fused_norm, autocast=autocast
         )
     else:
@@ -245,18 +260,26 @@ def recompute_working_set(
     """What :func:`stage_layer_activations` counts for the one layer recomputed during backward, beyond
     what the stage keeps: full, that layer's activations less its kept input — 0 if no block of a chunk
     is checkpointed, or if the chunk's last block is not (``recompute_every`` not dividing the chunk's
-    layers): backward has then freed the trailing blocks' full activations before it recomputes the
-    last checkpointed one; op, its activations less what the policy kept, plus the block's output, which
-    the replay recomputes too (measured on one ``tiny`` block: 13.77 sbh above ``none``'s backward
-    against 20.05 − 7.28 = 12.77); selective, its attention core again; none, 0."""
+    layers, or ``block`` with N below the chunk's layers): backward has then freed the trailing blocks'
+    full activations before it recomputes the last checkpointed one; ``uniform``, the N blocks of a
+    group recomputed at once less the group's kept input (N·layer − input), one input fewer where the
+    chunk's last group is shorter: the first full group is recomputed after the last group's backward
+    has freed that group's input; op, its activations less what the policy kept, plus the block's
+    output, which the replay recomputes too (measured on one ``tiny`` block: 13.77 sbh above
+    ``none``'s backward against 20.05 − 7.28 = 12.77); selective, its attention core again; none, 0."""
     if t.recompute == "none":
         return 0
     full_layer = layer_activation_bytes(
         m, p, t, engine=engine, recompute="none", fused_norm=fused_norm, autocast=autocast
     )
     if t.recompute == "full":
-        last_checkpointed = m.num_layers // (p.pp * p.virtual_stages) % t.recompute_every == 0
-        return full_layer - layer_input_bytes(m, p, t) if last_checkpointed else 0
+        layers, n = m.num_layers // (p.pp * p.virtual_stages), t.recompute_every
+        kept = layer_input_bytes(m, p, t)
+        if t.recompute_method == "uniform":
+            freed = kept if (layers > n and layers % n) else 0
+            return min(n, layers) * full_layer - kept - freed
+        last_checkpointed = n >= layers if t.recompute_method == "block" else layers % n == 0
+        return full_layer - kept if last_checkpointed else 0
     if t.recompute == "op":
         return full_layer - op_layer_bytes(m, p, t) + layer_input_bytes(m, p, t)
     return full_layer - layer_activation_bytes(

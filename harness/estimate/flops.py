@@ -59,13 +59,20 @@ def model_flops_per_step(spec: RunSpec, *, convention: str = "megatron") -> int:
 
 
 def hardware_flops_per_step(spec: RunSpec, *, convention: str = "megatron") -> int:
-    """FLOPs the hardware executes: full recomputation runs every forward once more (forward is a third
-    of forward + backward, so 4/3 of the model FLOPs); selective recomputation of the attention core adds
-    its forward, 4·B·s²·L·h (the s/h term's share of the forward pass)."""
+    """FLOPs the hardware executes: full recomputation runs the forward of every block a checkpoint covers
+    once more (forward is a third of forward + backward: 4/3 of the model FLOPs when every block is
+    covered, as is the convention, head included; with ``recompute_every`` or Megatron's methods the
+    covered blocks' share of it); selective recomputation of the attention core adds its forward,
+    4·B·s²·L·h (the s/h term's share of the forward pass)."""
+    from harness.estimate.activations import recomputed_layers
+
     model = model_flops_per_step(spec, convention=convention)
-    t, m = spec.train, spec.model
+    t, m, p = spec.train, spec.model, spec.parallel
     if t.recompute == "full":
-        return (4 * model + 1) // 3
+        covered = recomputed_layers(m, p, t) * p.pp * p.virtual_stages
+        if covered >= m.num_layers:
+            return (4 * model + 1) // 3
+        return model + model * covered // (3 * m.num_layers)
     if t.recompute == "selective":
         core = 4 if convention == "megatron" else 2  # 4·B·s·s_attn·L·h with s_attn = s or s/2
         return model + core * spec.global_batch_size * t.seq_len**2 * m.num_layers * m.hidden_size

@@ -28,6 +28,7 @@ IGNORED_FIELDS = (
     "train.num_microbatches",
     "train.recompute",
     "train.recompute_every",
+    "train.recompute_method",
     "train.precision",
     "train.attention",
 )

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from harness.estimate.activations import elem_bytes, layer_activation_bytes
+from harness.estimate.activations import elem_bytes, layer_activation_bytes, recomputed_layers
 from harness.estimate.comm import bubble_fraction, cost
 from harness.estimate.flops import model_flops_per_step
 from harness.estimate.params import layer_matrix_params, stage_params
@@ -114,8 +114,11 @@ def stage_flops(spec: RunSpec) -> tuple[float, float]:
     layers = m.num_layers // p.pp
     model = tokens * (layers * per_layer + head)
     extra = 0.0
-    if t.recompute in ("full", "op"):
-        extra = tokens * layers * per_layer / 3  # the forward again
+    if t.recompute == "full":  # the forward again, of the blocks some checkpoint covers
+        covered = recomputed_layers(m, p, t) * p.virtual_stages
+        extra = tokens * covered * per_layer / 3
+    elif t.recompute == "op":
+        extra = tokens * layers * per_layer / 3  # every block's forward again, less what the policy saved
     elif t.recompute == "selective":
         extra = tokens * layers * 4 * t.seq_len * m.hidden_size / p.tp  # the attention core's forward
     return model, extra

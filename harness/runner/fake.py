@@ -30,6 +30,12 @@ What differs from the real run, and how it is handled:
 
 Out of memory is judged against the device preset's capacity: status ``oom`` with ``oom_source=fake``
 when the traced peak exceeds it (the trace completes either way and its peak is kept).
+
+Cost: the distinct ranks are traced side by side, as many at a time as the CPUs and host memory allow
+(``trace_jobs``); each is a fork of a parent that has already imported what a trace needs
+(``_preload``), so no rank pays for the imports again. Neither changes what a rank traces: every
+child starts from the same parent state, and the record lists the same ranks in the same order as
+one-at-a-time tracing would (a ZeRO-1 rank is started when the first result names it).
 """
 
 from __future__ import annotations
@@ -115,9 +121,12 @@ def fake_problems(spec: RunSpec) -> list[str]:
     return [x for x in runner_problems(spec) if "needs CUDA" not in x]
 
 
-def run_fake(spec: RunSpec, *, timeout_s: float = 600.0, kernels: str | None = None) -> dict[str, Any]:
-    """Trace every distinct rank of ``spec`` (one process each, one at a time) and return the record.
-    ``kernels``: "cuda" or "cpu" (default: cuda on a GPU preset, cpu on device=cpu)."""
+def run_fake(
+    spec: RunSpec, *, timeout_s: float = 600.0, kernels: str | None = None, jobs: int | None = None
+) -> dict[str, Any]:
+    """Trace every distinct rank of ``spec`` (one process each, up to ``jobs`` at a time; default
+    :func:`trace_jobs`) and return the record. ``kernels``: "cuda" or "cpu" (default: cuda on a GPU
+    preset, cpu on device=cpu)."""
     try:
         spec = canonical(spec)
     except InvalidSpec as exc:
@@ -125,19 +134,106 @@ def run_fake(spec: RunSpec, *, timeout_s: float = 600.0, kernels: str | None = N
     problems = fake_problems(spec)
     if problems:
         return invalid_record(spec, "; ".join(problems))
+    _preload()
     start = time.monotonic()
-    deadline = start + timeout_s
-    todo, results = traced_ranks(spec), {}
-    while todo:
-        rank = todo.pop(0)
-        result = _trace_in_child(spec, rank, deadline=deadline, kernels=kernels)
-        results[rank] = result
-        if "peak_allocated_bytes" not in result:
-            break
-        extra = _zero1_worst_rank(spec, result)
-        if extra is not None and extra not in results and extra not in todo:
-            todo.append(extra)
-    return fake_record(spec, list(results.values()), wall_s=time.monotonic() - start, timeout_s=timeout_s)
+    base = traced_ranks(spec)
+    results = _trace_ranks(
+        spec, base, deadline=start + timeout_s, kernels=kernels, jobs=jobs or trace_jobs(len(base))
+    )
+    return fake_record(spec, results, wall_s=time.monotonic() - start, timeout_s=timeout_s)
+
+
+def _trace_ranks(
+    spec: RunSpec, base: list[int], *, deadline: float, kernels: str | None, jobs: int
+) -> list[dict[str, Any]]:
+    """The results of tracing ``base`` and every ZeRO-1 rank a result names, up to ``jobs`` processes at
+    a time: the same list, in the same order, as tracing them one at a time, each named rank queued
+    behind the rest, and stopping at the first failure (``_sequence``). After a failure only the ranks
+    before it in that order are started or kept running."""
+    results: dict[int, dict[str, Any]] = {}
+    extras: dict[int, int | None] = {}  # traced rank → the ZeRO-1 rank its result names
+    running: dict[int, tuple[Any, Path]] = {}
+    with tempfile.TemporaryDirectory(prefix="harness-fake-") as tmp:
+        while True:
+            order, cut = _sequence(base, extras, results)
+            for rank in [r for r in running if order.index(r) >= cut]:
+                _kill(running.pop(rank)[0])
+            todo = [r for r in order[:cut] if r not in results and r not in running]
+            while todo and len(running) < max(1, jobs):
+                rank = todo.pop(0)
+                running[rank] = _start_child(spec, rank, Path(tmp) / f"rank{rank}.json", kernels)
+            if not running:
+                break
+            for rank, result in _wait_any(running, deadline).items():
+                results[rank] = result
+                if "peak_allocated_bytes" in result:
+                    extras[rank] = _zero1_worst_rank(spec, result)
+    order, cut = _sequence(base, extras, results)
+    return [results[r] for r in order[: cut + 1] if r in results]
+
+
+def _sequence(
+    base: list[int], extras: dict[int, int | None], results: dict[int, dict[str, Any]]
+) -> tuple[list[int], int]:
+    """The order one-at-a-time tracing takes (``base``, then each named ZeRO-1 rank in the order of the
+    ranks that named it), as far as the results so far tell, and the index of the first failed rank
+    in it (its length when none failed). Ranks already placed never move relative to each other."""
+    order = list(base)
+    for rank in order:  # (grows while it is walked)
+        extra = extras.get(rank)
+        if extra is not None and extra not in order:
+            order.append(extra)
+    failed = (i for i, r in enumerate(order) if r in results and "peak_allocated_bytes" not in results[r])
+    return order, next(failed, len(order))
+
+
+# Host memory one tracing process may take: issue 14's budget for one traced rank.
+TRACE_HOST_BYTES = 4 * 2**30
+
+
+def trace_jobs(n: int) -> int:
+    """How many of ``n`` ranks to trace at a time: no more than this process may run on CPUs, nor than
+    the host memory now available holds at ``TRACE_HOST_BYTES`` each; at least one."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # (not on every platform)
+        cpus = os.cpu_count() or 1
+    memory = _available_memory_bytes()
+    by_memory = n if memory is None else memory // TRACE_HOST_BYTES
+    return max(1, min(n, cpus, by_memory))
+
+
+def _available_memory_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _preload() -> None:
+    """Import here what every trace imports (a second or more of CPU each), so that the forked tracing
+    processes find it done; importing changes nothing they trace."""
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+
+
+PRELOAD = (
+    "torch._subclasses.fake_tensor",
+    "torch.testing._internal.distributed.fake_pg",
+    "torch.distributed._tools.mem_tracker",
+    "harness.alloc",
+    "harness.runner.fake_ddp",
+    "harness.runner.fake_kernels",
+    "harness.runner.measure",
+    "harness.runner.model",
+    "harness.runner.parallel.compose",
+)
 
 
 def _zero1_worst_rank(spec: RunSpec, result: dict[str, Any]) -> int | None:
@@ -210,24 +306,53 @@ def fake_record(
 def _trace_in_child(spec: RunSpec, rank: int, *, deadline: float, kernels: str | None) -> dict[str, Any]:
     """``trace_rank`` in a forked process (a fake process group is per process, and the parent's
     memory stays clean); its result, an error, or ``timed_out``."""
-    ctx = multiprocessing.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="harness-fake-") as tmp:
-        out = Path(tmp) / "rank.json"
-        proc = ctx.Process(target=_child, args=(spec, rank, out, kernels), daemon=True)
-        proc.start()
-        proc.join(max(1.0, deadline - time.monotonic()))
-        if proc.exitcode is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.join(10)
-            return {"rank": rank, "timed_out": True}
+        running = {rank: _start_child(spec, rank, Path(tmp) / "rank.json", kernels)}
+        while running:
+            ended = _wait_any(running, deadline)
+        return ended[rank]
+
+
+def _start_child(spec: RunSpec, rank: int, out: Path, kernels: str | None) -> tuple[Any, Path]:
+    ctx = multiprocessing.get_context("fork")
+    proc = ctx.Process(target=_child, args=(spec, rank, out, kernels), daemon=True)
+    proc.start()
+    return proc, out
+
+
+def _wait_any(running: dict[int, tuple[Any, Path]], deadline: float) -> dict[int, dict[str, Any]]:
+    """Wait for at least one of the ``running`` tracing processes to end (or the deadline, which ends
+    them all); the results of those that ended, removed from ``running``."""
+    from multiprocessing.connection import wait
+
+    ended = wait(
+        [proc.sentinel for proc, _ in running.values()], timeout=max(1.0, deadline - time.monotonic())
+    )
+    out = {}
+    for rank, (proc, path) in list(running.items()):
+        if proc.sentinel not in ended:
+            if time.monotonic() < deadline:
+                continue
+            del running[rank]
+            _kill(proc)
+            out[rank] = {"rank": rank, "timed_out": True}
+            continue
+        del running[rank]
+        proc.join()  # (it has exited: its sentinel is ready; joining reaps it and sets its exit code)
         try:
-            result = json.loads(out.read_text())
+            result = json.loads(path.read_text())
         except (OSError, ValueError):
             sig = -proc.exitcode if proc.exitcode < 0 else None
             why = f"killed by signal {signal.Signals(sig).name}" if sig else f"exit code {proc.exitcode}"
             result = {"rank": rank, "error": f"the tracing process died ({why})"}
         result["exit_code"] = proc.exitcode
-        return result
+        out[rank] = result
+    return out
+
+
+def _kill(proc) -> None:
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(10)
 
 
 def _child(spec: RunSpec, rank: int, out: Path, kernels: str | None) -> None:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import checkpoint
 
 from harness.specs import ModelSpec
 
@@ -123,6 +124,12 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+def _run_blocks(blocks: list[nn.Module], h: torch.Tensor) -> torch.Tensor:
+    for block in blocks:
+        h = block(h)
+    return h
+
+
 class Llama(nn.Module):
     """Token ids (batch, seq) → logits (batch, seq, vocab). Any of ``tok_embeddings``, ``norm`` and
     ``output`` may be None (a pipeline stage), in which case the input or output is hidden states."""
@@ -138,6 +145,8 @@ class Llama(nn.Module):
         self.output: nn.Module | None = nn.Linear(m.hidden_size, m.vocab_size, bias=False)
         if m.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # Consecutive layer keys run under one checkpoint (set by recompute.apply_recompute).
+        self.checkpoint_groups: list[list[str]] = []
         self.init_weights()
 
     @torch.no_grad()
@@ -153,7 +162,17 @@ class Llama(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        for layer in self.layers.values():
-            h = layer(h)
+        grouped = {g[0]: g for g in self.checkpoint_groups}
+        keys = list(self.layers.keys())
+        i = 0
+        while i < len(keys):
+            group = grouped.get(keys[i])
+            if group is None:
+                h = self.layers[keys[i]](h)
+                i += 1
+            else:  # one checkpoint for the group: only h is kept, backward recomputes all its blocks at once
+                blocks = [self.layers[k] for k in group]
+                h = checkpoint(_run_blocks, blocks, h, use_reentrant=False, preserve_rng_state=False)
+                i += len(group)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h

@@ -71,7 +71,7 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
             apply_tp(mod, mesh["tp"], sequence_parallel=p.sequence_parallel, loss_parallel=use_loss_parallel)
         if p.cp > 1:
             positions = apply_cp(mod, mesh["cp"], seq_len=t.seq_len, load_balance=p.cp_load_balance)
-        apply_recompute(mod, mode=t.recompute, every=t.recompute_every)
+        apply_recompute(mod, mode=t.recompute, every=t.recompute_every, method=t.recompute_method)
     if p.zero_stage >= 2 and dp_cp is not None:
         for mod in modules:
             apply_fsdp(

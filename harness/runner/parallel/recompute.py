@@ -1,11 +1,13 @@
 """Activation recomputation: none, selective (the attention core), op (torchtitan's op-level policy),
-full (every transformer block, or every N-th).
+full (every transformer block, every N-th, or Megatron's uniform and block methods).
 
-Megatron's flags: ``full`` is ``--recompute-granularity full --recompute-method uniform
---recompute-num-layers 1``; ``full`` with ``every`` N stores what ``--recompute-method block
---recompute-num-layers L_stage/N`` stores (as many whole blocks checkpointed per stage, Megatron's the
-first ones, torchtitan's every N-th). Megatron's ``uniform`` with N > 1 (N blocks per checkpoint) has no
-counterpart here.
+Megatron's flags (megatron/core/transformer/transformer_block.py, ``TransformerBlock.
+_checkpointed_forward``, with ``--recompute-granularity full``): ``full`` is ``--recompute-method
+uniform --recompute-num-layers 1``; method ``uniform`` N runs each group of N consecutive blocks of a
+chunk under one checkpoint (the group's input kept; backward recomputes the whole group at once);
+method ``block`` N checkpoints the first N blocks of a chunk one by one and leaves the rest alone.
+torchtitan's layer option (method ``every`` N: every N-th block) stores what ``block`` with L_chunk/N
+stores, its checkpointed blocks spread out instead of first.
 """
 
 from __future__ import annotations
@@ -61,19 +63,42 @@ def checkpointed_layers(num_layers: int, *, every: int) -> list[int]:
     return [i for i in range(num_layers) if (i + 1) % every == 0]
 
 
-def apply_recompute(model: nn.Module, *, mode: str, every: int = 1) -> None:
+def checkpoint_groups(num_layers: int, *, method: str, every: int) -> list[list[int]]:
+    """Positions of the blocks each checkpoint holds, one list per checkpoint, for ``method`` with N =
+    ``every`` on a chunk of ``num_layers`` blocks: every: :func:`checkpointed_layers`, one each; block:
+    the first N, one each (Megatron's ``block``); uniform: consecutive groups of N (Megatron's
+    ``uniform``; where N does not divide the chunk the last group is shorter — Megatron's loop would
+    index past its layers there)."""
+    if method == "every":
+        return [[i] for i in checkpointed_layers(num_layers, every=every)]
+    if method == "block":
+        return [[i] for i in range(min(every, num_layers))]
+    if method == "uniform":
+        return [list(range(i, min(i + every, num_layers))) for i in range(0, num_layers, every)]
+    raise ValueError(f"recompute method {method!r} must be one of every, uniform, block")
+
+
+def apply_recompute(model: nn.Module, *, mode: str, every: int = 1, method: str = "every") -> None:
     """Wrap blocks before FSDP (torchtitan's order).
 
-    - full: every ``every``-th block of this module is checkpointed whole (torchtitan's ``full``, and with
-      ``every`` > 1 its layer option, counted per pipeline stage module as their per-rank counter does
-      for one stage per rank);
+    - full: the blocks :func:`checkpoint_groups` names for ``method`` and N = ``every`` (torchtitan's
+      ``full``, and with ``every`` > 1 its layer option; Megatron's ``block`` and ``uniform``), counted
+      per pipeline stage module as torchtitan's per-rank counter and Megatron's per-chunk loop do. A
+      checkpoint of one block wraps it (``checkpoint_wrapper``); a group of several (``uniform``) is
+      named in the model's ``checkpoint_groups`` (its layer keys), which its forward loop runs under one
+      ``checkpoint``: no module is renamed or moved, so FSDP2's per-block units, the pipeline split and
+      tied embeddings see the same parameters;
     - op: every block under torchtitan's op-level policy (:func:`op_policy`);
     - selective: only the attention core is recomputed in backward (Korthikanti et al. 2022).
     """
     if mode == "full":
         keys = list(model.layers.keys())
-        for i in checkpointed_layers(len(keys), every=every):
-            model.layers[keys[i]] = checkpoint_wrapper(model.layers[keys[i]], preserve_rng_state=False)
+        groups = checkpoint_groups(len(keys), method=method, every=every)
+        for group in groups:
+            if len(group) == 1:
+                key = keys[group[0]]
+                model.layers[key] = checkpoint_wrapper(model.layers[key], preserve_rng_state=False)
+        model.checkpoint_groups = [[keys[i] for i in g] for g in groups if len(g) > 1]
     elif mode == "op":
         for key, block in list(model.layers.items()):
             model.layers[key] = checkpoint_wrapper(block, context_fn=_op_context, preserve_rng_state=False)
