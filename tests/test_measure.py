@@ -11,6 +11,22 @@ from harness.runner.supervisor import run_point
 MIB = 2**20
 
 
+def _adamw_steps(model, x):
+    """A foreach AdamW over ``model`` and a training step on ``x``, run once so that the optimizer's state
+    exists: (the optimizer, the step)."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    return opt, step
+
+
 def _peaks_with_and_without_a_held_tensor() -> list[dict]:
     import torch
 
@@ -18,15 +34,7 @@ def _peaks_with_and_without_a_held_tensor() -> list[dict]:
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
-    opt = torch.optim.AdamW(model.parameters(), foreach=True)
-    x = torch.randn(64, 256)
-
-    def step() -> None:
-        model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()  # AdamW's state exists from here on
+    opt, step = _adamw_steps(model, torch.randn(64, 256))  # AdamW's state exists from here on
     out = []
     for held_mib in (0, 4):
         held = torch.ones(held_mib * MIB // 4)  # alive through the step, known to no module or optimizer
@@ -198,15 +206,7 @@ def _tracker_and_mem_tracker_figures() -> list[dict]:
             return self.last(torch.relu(h))
 
     model = Net()
-    opt = torch.optim.AdamW(model.parameters(), foreach=True)
-    x = torch.randn(1024, 128)
-
-    def step() -> None:
-        model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()  # AdamW's state exists from here on
+    opt, step = _adamw_steps(model, torch.randn(1024, 128))  # AdamW's state exists from here on
     out, cpu = [], torch.device("cpu")
     for tracker in (_tracker_class()(), MemTracker()):
         tracker.track_external(model, opt)
