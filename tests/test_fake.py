@@ -510,3 +510,73 @@ def test_tracing_ranks_side_by_side_changes_no_figure():
     assert one["status"] == "ok" and one["fake_traced_ranks"] == [0, 1]
     nan = [k for k, v in one.items() if v != v]  # (NaN: a step-time spread without timed steps)
     assert {k: v for k, v in one.items() if k not in nan} == {k: v for k, v in two.items() if k not in nan}
+
+
+# --- cost: a shorter warm-up, and traces kept across GPU presets ------------------------------------
+
+
+def _trace_with_warm_up(s, full):
+    from harness.runner import fake
+    from harness.runner.parallel.compose import train_step
+
+    if full:  # the warm-up a real run takes: every micro-batch
+
+        def every_micro_batch(par, tokens, spec):
+            train_step(par, tokens, tokens, num_microbatches=spec.train.num_microbatches)
+
+        fake.warm_up = every_micro_batch
+    r = fake.trace_rank(s, 0)
+    return {k: v for k, v in r.items() if k not in ("trace_s", "trace_cpu_s", "host_rss_bytes")}
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"parallel_dp": 2, "parallel_zero_stage": 0},  # DDP: its buckets are rebuilt after the first step
+        {"parallel_dp": 2, "parallel_tp": 2, "parallel_zero_stage": 3},  # FSDP2 on a 2-D mesh
+    ],
+)
+def test_one_micro_batch_warm_up_leaves_the_measured_step_unchanged(layout):
+    """A fake run warms up on one micro-batch where the real run takes all four: every figure of the
+    measured step (peaks, categories, the allocator replay) is the same to the byte."""
+    s = spec("tiny", train_seq_len=128, train_num_microbatches=4, **layout)
+    short = in_fresh_process(_trace_with_warm_up, s, False)
+    full = in_fresh_process(_trace_with_warm_up, s, True)
+    assert short["peak_allocated_bytes"] > 0
+    assert short == full
+
+
+def test_trace_key_ignores_the_card_but_not_the_layout_kernels_rank_or_code(monkeypatch):
+    from harness.runner import fake_cache
+
+    a100, h100 = spec("tiny", "a100_40gb"), spec("tiny", "h100_94gb")
+    key = fake_cache.trace_key(a100, 0, "cuda")
+    assert fake_cache.trace_key(h100, 0, "cuda") == key
+    assert fake_cache.trace_key(a100, 0, "cpu") != key
+    assert fake_cache.trace_key(a100, 1, "cuda") != key
+    assert fake_cache.trace_key(spec("tiny", "a100_40gb", parallel_dp=2), 0, "cuda") != key
+    monkeypatch.setattr(fake_cache, "code_hash", lambda: "another revision")
+    assert fake_cache.trace_key(a100, 0, "cuda") != key
+
+
+def test_ranks_in_the_trace_cache_are_not_traced_again(monkeypatch, tmp_path):
+    """Ranks 0 and 8 traced (8 names ZeRO-1 rank 9), kept; the same layout again traces nothing and
+    gives the same results in the same order. A failed rank is not kept: it is traced again."""
+    from harness.runner.fake import _trace_ranks
+    from harness.runner.fake_cache import TraceCache
+
+    cache, s = TraceCache(tmp_path), spec("tiny")
+    results = {0: _ok(5), 8: _ok(7, extra=9), 9: _ok(6)}
+    started, _ = _scripted_tracing(monkeypatch, [[0, 8], [9]], results)
+    first = _trace_ranks(s, [0, 8], deadline=0.0, kernels="cuda", jobs=2, cache=cache)
+    assert started == [0, 8, 9] and len(list(tmp_path.glob("*.json"))) == 3
+    started, _ = _scripted_tracing(monkeypatch, [], results)
+    again = _trace_ranks(s, [0, 8], deadline=0.0, kernels="cuda", jobs=2, cache=cache)
+    assert started == [] and again == first
+
+    failed = {"error": "RuntimeError: boom"}
+    started, _ = _scripted_tracing(monkeypatch, [[4]], {4: failed})
+    _trace_ranks(s, [4], deadline=0.0, kernels="cuda", jobs=1, cache=cache)
+    started, _ = _scripted_tracing(monkeypatch, [[4]], {4: failed})
+    _trace_ranks(s, [4], deadline=0.0, kernels="cuda", jobs=1, cache=cache)
+    assert started == [4]

@@ -79,6 +79,7 @@ MEANINGS: dict[str, str] = {
     "run.timeout_s": "a point not finished by then is killed and recorded as status=timeout",
     "run.fail_on": "statuses that make run exit 1, e.g. oom,crash,timeout (null: exit 0 for any outcome)",
     "run.mode": "real (run the step) | fake (fake tensors, no memory used)",
+    "run.fake_cache": "fake: a directory of traced ranks, reused across GPU presets (traces ignore the card)",
     "run.trace": "write each rank's allocation trace beside the record (<config_id>.rank<r>.trace.json)",
     "run.memory_snapshot": "CUDA: dump a memory snapshot per rank at the peak and on OOM",
     # sweep

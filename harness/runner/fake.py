@@ -1,7 +1,7 @@
 """`harness run run.mode=fake`: a layout's memory traced without its devices — each distinct rank in a
 process of its own, under PyTorch's fake process group and ``FakeTensorMode``, running the same model,
-parallelisms and composer as a real run (``parallelize``, ``train_step``), one warm-up step and one
-measured step, MemTracker counting what the rank holds.
+parallelisms and composer as a real run (``parallelize``, ``train_step``), a warm-up step
+(:func:`warm_up`) and one measured step, MemTracker counting what the rank holds.
 
 Which ranks are traced (``traced_ranks``): ranks that differ only in their data-parallel,
 context-parallel or tensor-parallel coordinate hold the same tensors (same shapes, different values),
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import multiprocessing
 import os
 import signal
@@ -53,7 +54,9 @@ from pathlib import Path
 from typing import Any
 
 from harness.record import finish_record, invalid_record
-from harness.specs import InvalidSpec, RunSpec, canonical
+from harness.specs import InvalidSpec, RunSpec, canonical, config_id
+
+log = logging.getLogger(__name__)
 
 MEMORY_METHOD = "fake_mem_tracker"
 OOM_SOURCE = "fake"
@@ -74,8 +77,9 @@ MODES = ("real", "fake")
 def run_configured(
     spec: RunSpec, run: dict[str, Any], *, task=None, artifacts: dict[str, Any] | None = None
 ) -> dict[str, Any] | None:
-    """One point as the ``run`` section of the config asks (``run.mode``, ``run.timeout_s``): the real
-    supervisor, or :func:`run_fake`. ``harness run`` and every sweep job go through here.
+    """One point as the ``run`` section of the config asks (``run.mode``, ``run.timeout_s``,
+    ``run.fake_cache``): the real supervisor, or :func:`run_fake`. ``harness run`` and every sweep job
+    go through here.
     ``artifacts``: files each real rank writes beside the record (``run.trace``, ``run.memory_snapshot``)."""
     from harness.runner.supervisor import run_point
 
@@ -86,7 +90,7 @@ def run_configured(
     if mode == "fake":
         if task is not None and task.index > 0:
             return None  # one process traces the point; the other tasks of a Slurm job have nothing to do
-        return run_fake(spec, timeout_s=timeout_s)
+        return run_fake(spec, timeout_s=timeout_s, cache=run.get("fake_cache"))
     return run_point(spec, timeout_s=timeout_s, task=task, artifacts=artifacts)
 
 
@@ -122,11 +126,17 @@ def fake_problems(spec: RunSpec) -> list[str]:
 
 
 def run_fake(
-    spec: RunSpec, *, timeout_s: float = 600.0, kernels: str | None = None, jobs: int | None = None
+    spec: RunSpec,
+    *,
+    timeout_s: float = 600.0,
+    kernels: str | None = None,
+    jobs: int | None = None,
+    cache: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """Trace every distinct rank of ``spec`` (one process each, up to ``jobs`` at a time; default
     :func:`trace_jobs`) and return the record. ``kernels``: "cuda" or "cpu" (default: cuda on a GPU
-    preset, cpu on device=cpu)."""
+    preset, cpu on device=cpu). ``cache``: a directory of completed rank traces
+    (:mod:`harness.runner.fake_cache`): a rank found there is not traced again, one traced is kept."""
     try:
         spec = canonical(spec)
     except InvalidSpec as exc:
@@ -137,19 +147,30 @@ def run_fake(
     _preload()
     start = time.monotonic()
     base = traced_ranks(spec)
+    store = None
+    if cache is not None:
+        from harness.runner.fake_cache import TraceCache
+
+        store = TraceCache(cache)
     results = _trace_ranks(
-        spec, base, deadline=start + timeout_s, kernels=kernels, jobs=jobs or trace_jobs(len(base))
+        spec,
+        base,
+        deadline=start + timeout_s,
+        kernels=kernels or ("cuda" if gpu_kernels(spec) else "cpu"),
+        jobs=jobs or trace_jobs(len(base)),
+        cache=store,
     )
     return fake_record(spec, results, wall_s=time.monotonic() - start, timeout_s=timeout_s)
 
 
 def _trace_ranks(
-    spec: RunSpec, base: list[int], *, deadline: float, kernels: str | None, jobs: int
+    spec: RunSpec, base: list[int], *, deadline: float, kernels: str, jobs: int, cache=None
 ) -> list[dict[str, Any]]:
     """The results of tracing ``base`` and every ZeRO-1 rank a result names, up to ``jobs`` processes at
     a time: the same list, in the same order, as tracing them one at a time, each named rank queued
     behind the rest, and stopping at the first failure (``_sequence``). After a failure only the ranks
-    before it in that order are started or kept running."""
+    before it in that order are started or kept running. A rank ``cache`` (a ``TraceCache``) holds is
+    taken from it; each completed trace is stored there."""
     results: dict[int, dict[str, Any]] = {}
     extras: dict[int, int | None] = {}  # traced rank → the ZeRO-1 rank its result names
     running: dict[int, tuple[Any, Path]] = {}
@@ -159,15 +180,26 @@ def _trace_ranks(
             for rank in [r for r in running if order.index(r) >= cut]:
                 _kill(running.pop(rank)[0])
             todo = [r for r in order[:cut] if r not in results and r not in running]
+            reused = False
             while todo and len(running) < max(1, jobs):
                 rank = todo.pop(0)
+                hit = cache.load(spec, rank, kernels) if cache is not None else None
+                if hit is not None:
+                    log.info("fake: rank %d of %s taken from the trace cache", rank, config_id(spec))
+                    results[rank], reused = hit, True
+                    extras[rank] = _zero1_worst_rank(spec, hit)
+                    continue
                 running[rank] = _start_child(spec, rank, Path(tmp) / f"rank{rank}.json", kernels)
+            if reused:
+                continue  # (a reused result may name a ZeRO-1 rank: look at the order again)
             if not running:
                 break
             for rank, result in _wait_any(running, deadline).items():
                 results[rank] = result
                 if "peak_allocated_bytes" in result:
                     extras[rank] = _zero1_worst_rank(spec, result)
+                    if cache is not None:
+                        cache.store(spec, rank, kernels, result)
     order, cut = _sequence(base, extras, results)
     return [results[r] for r in order[: cut + 1] if r in results]
 
@@ -385,8 +417,8 @@ def gpu_kernels(spec: RunSpec) -> bool:
 
 
 def trace_rank(spec: RunSpec, rank: int, *, kernels: str | None = None) -> dict[str, Any]:
-    """Peak memory of ``rank`` over one measured step after one warm-up step, traced in this process
-    (which must hold no process group); ``kernels`` as in :func:`run_fake`."""
+    """Peak memory of ``rank`` over one measured step after a warm-up step (:func:`warm_up`), traced in
+    this process (which must hold no process group); ``kernels`` as in :func:`run_fake`."""
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -427,7 +459,7 @@ def trace_rank(spec: RunSpec, rank: int, *, kernels: str | None = None) -> dict[
             per_rank = (t.micro_batch_size * t.num_microbatches, t.seq_len // p.cp)
             tokens = torch.randint(0, spec.model.vocab_size, per_rank)
             memory = PeakMemory(par.modules, par.optimizer, cpu, allocator=False)
-            train_step(par, tokens, tokens, num_microbatches=t.num_microbatches)
+            warm_up(par, tokens, spec)
             with memory.measure():
                 train_step(par, tokens, tokens, num_microbatches=t.num_microbatches)
         out = {
@@ -442,6 +474,23 @@ def trace_rank(spec: RunSpec, rank: int, *, kernels: str | None = None) -> dict[
         return out
     finally:
         dist.destroy_process_group()
+
+
+def warm_up(par, tokens, spec: RunSpec) -> None:
+    """The step before the measured one. Without a pipeline it runs one micro-batch: what the measured
+    step finds afterwards is what all of them leave (optimizer state made, DDP's buckets rebuilt at the
+    next forward, FSDP2 initialised, every gradient freed by ``zero_grad``), at 1/num_microbatches of
+    the cost (``test_one_micro_batch_warm_up_leaves_the_measured_step_unchanged``; scripts/
+    fake_budget.py --compare showed every figure equal on six paper-scale points). A pipeline schedule
+    is built for its micro-batch count and prepares its stages for it: it warms up on all of them."""
+    from harness.runner.parallel.compose import train_step
+
+    t = spec.train
+    if par.schedule is None:
+        warm = tokens[: t.micro_batch_size]
+        train_step(par, warm, warm, num_microbatches=1)
+    else:
+        train_step(par, tokens, tokens, num_microbatches=t.num_microbatches)
 
 
 def _zero1_partition(optimizer) -> list[int] | None:
