@@ -25,8 +25,10 @@ What differs from the real run, and how it is handled:
 - Not seen at all: the CUDA context, NCCL's buffers, cuBLAS/cuDNN workspaces chosen at run time. The
   caching allocator's rounding and fragmentation are modelled: MemTracker's record of the storages
   made and freed in the measured step is replayed through harness/alloc.py (``sim_*`` fields, as a real
-  CPU run has), on one stream (FSDP2's all-gather stream is not known here, so its separate pool is
-  not: the reserved figure can be low where that stream's blocks would not be shared).
+  CPU run has), each block on the CUDA stream it would be made on: FSDP2's all-gather outputs on its
+  copy-in stream, its reduce-scatter outputs on its reduce-scatter stream, the rest on the default one
+  (FSDP2 enters its streams through ``torch.cpu`` here, and the tracker reads the current one:
+  harness/runner/measure.py, the stream constants), so each stream's blocks stay in pools of their own.
 
 Out of memory is judged against the device preset's capacity: status ``oom`` with ``oom_source=fake``
 when the traced peak exceeds it (the trace completes either way and its peak is kept).

@@ -15,7 +15,10 @@ simple and is reproduced here in Python, on the same parameters, with the runner
   in gradient-ready order), releasing the first set: one set is alive at any peak. (The CPU study once
   measured both sets alive through that step; that was its instrument, which counted the first set's
   free only from the step's start: harness/runner/measure.py ``start_cpu_accounting``.)
-All-reduces are in place and the fake group moves nothing, so they add no memory.
+All-reduces are in place and the fake group moves nothing, so they add no memory. Everything here is
+on the default CUDA stream, as under the real reducer, which allocates its buckets on the current stream
+and all-reduces them in place on NCCL's stream, allocating nothing there (harness/runner/measure.py, the
+stream constants): a fake DDP trace has no side-stream blocks, and needs none.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -59,6 +59,7 @@ def _tracker_class():
         _MemRefType,
         _ModMemStats,
         _UpdateType,
+        _WeakRefInfo,
     )
     from torch.distributed.tensor import DTensor
     from torch.utils._pytree import tree_map_only
@@ -70,31 +71,70 @@ def _tracker_class():
         # The storages it sees made and freed, as trace events (harness.alloc's format), where no
         # allocator reports them (fake tensors allocate nothing): set to a list to record. A storage's
         # address is its ``_WeakRefInfo``'s id (unique while it lives); FSDP2's ``resize_`` of an
-        # unsharded parameter is a free and an allocation. Streams are not known here: all are 0.
+        # unsharded parameter is a free and an allocation. ``stream_log``, where an allocator reports
+        # them (a real CPU run): (address, bytes, stream) of each storage an operator makes, in order,
+        # for ``_AllocatorPeak`` to give its allocations their streams. ``streams``: the stream
+        # allocated on now (``_SimulatedStreams``; the stream constants above).
         trace_events: list[dict[str, Any]] | None = None
+        stream_log: list[tuple[int, int, int]] | None = None
+        streams: Callable[[], int] = staticmethod(lambda: DEFAULT_STREAM)
+        _block_streams: dict[int, int]  # address → stream of a recorded block not on stream 0
+        _grown: list[_WeakRefInfo] | None = None  # storages made or grown by the current operator
 
-        def start_trace(self) -> None:
+        def start_trace(self, streams: Callable[[], int] | None = None) -> None:
             """Record from here on, starting with every storage tracked now, as allocations."""
+            if streams is not None:
+                self.streams = streams
+            self._block_streams = {}
             self.trace_events = [
-                _trace_event("alloc", id(w), w.mem_consumed, 0)
+                _trace_event("alloc", id(w), w.mem_consumed, DEFAULT_STREAM)
                 for w, _ in self._WINFO.values()
                 if w.mem_consumed
             ]
 
+        def start_stream_log(self, streams: Callable[[], int]) -> None:
+            """Log the streams of the storages operators make from here on (``stream_log``)."""
+            self.streams = streams
+            self.stream_log = []
+
         def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
             super()._update_snap(u_type, winfo, old_mem_consumed=old_mem_consumed, old_reftype=old_reftype)
+            if self._grown is not None and (
+                u_type == _UpdateType.ADD or (u_type == _UpdateType.SIZE and winfo.mem_consumed)
+            ):
+                self._grown.append(winfo)
             events = self.trace_events
             if events is None:
                 return
-            if u_type == _UpdateType.ADD:
-                events.append(_trace_event("alloc", id(winfo), winfo.mem_consumed, 0))
-            elif u_type == _UpdateType.DEL:
-                events.append(_trace_event("free_completed", id(winfo), winfo.mem_consumed, 0))
-            elif u_type == _UpdateType.SIZE:
-                if old_mem_consumed:
-                    events.append(_trace_event("free_completed", id(winfo), old_mem_consumed, 0))
-                if winfo.mem_consumed:
-                    events.append(_trace_event("alloc", id(winfo), winfo.mem_consumed, 0))
+            addr, streams = id(winfo), self._block_streams
+            if u_type == _UpdateType.DEL or (u_type == _UpdateType.SIZE and old_mem_consumed):
+                size = winfo.mem_consumed if u_type == _UpdateType.DEL else old_mem_consumed
+                events.append(_trace_event("free_completed", addr, size, streams.pop(addr, DEFAULT_STREAM)))
+            if u_type == _UpdateType.ADD or (u_type == _UpdateType.SIZE and winfo.mem_consumed):
+                stream = self.streams()
+                if stream != DEFAULT_STREAM:
+                    streams[addr] = stream
+                events.append(_trace_event("alloc", addr, winfo.mem_consumed, stream))
+
+        def _log_streams(self, func, res: Any) -> None:
+            # The storages of this operator's result that it made (``_grown``), with the current
+            # stream, for a real run's trace (whose events come from the profiler, by address). An
+            # operator whose result aliases an input (a view, an ``out=``) made nothing, though the
+            # tracker may see the storage as new: MemTracker knows a storage by its Python object, and
+            # one that died and was made again is added again (a real gloo reduce-scatter's ``split``
+            # of its input, on the reduce-scatter stream: logged, that block's address took stream 2
+            # for the next allocation there).
+            grown, self._grown = self._grown, None
+            if not grown or _aliases(func):
+                return
+            stream = self.streams()
+            tensors = res if type(res) in (tuple, list) else [res]
+            for x in tensors:
+                if isinstance(x, torch.Tensor):
+                    st = x.untyped_storage()
+                    w = self._WINFO.get(st)
+                    if w is not None and any(w[0] is g for g in grown):
+                        self.stream_log.append((st.data_ptr(), st.nbytes(), stream))
 
         # Only the global figures are read (``get_tracker_snapshot``: current and peak, by category),
         # never the per-module statistics (``memory_tracking``'s snapshots and local peaks), which
@@ -155,6 +195,8 @@ def _tracker_class():
             waited = func is _WAIT_TENSOR and active_fake_mode()  # (MemTracker's meta wait_tensor fix)
             res = args[0] if waited else func(*args, **kwargs or {})
             if active_fake_mode() is self._fake_mode_on_entry:
+                if self.stream_log is not None:
+                    self._grown = []
                 if self._in_opt:
                     reftype = _MemRefType.OPT
                 elif self._mod_tracker.is_bw and not self._in_ac:
@@ -171,10 +213,24 @@ def _tracker_class():
                             self._track(reftype, x)
                 else:
                     tree_map_only(torch.Tensor, partial(self._track, reftype), res)
+                if self._grown is not None:
+                    self._log_streams(func, res)
                 self._update_peak_stats(None)
             return res
 
     return Tracker
+
+
+_ALIASES: dict[Any, bool] = {}
+
+
+def _aliases(func) -> bool:
+    """Whether any result of the operator ``func`` aliases an input (its schema says so)."""
+    known = _ALIASES.get(func)
+    if known is None:
+        schema = getattr(func, "_schema", None)
+        known = _ALIASES[func] = schema is not None and any(r.alias_info is not None for r in schema.returns)
+    return known
 
 
 def _optimizers(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
@@ -221,22 +277,93 @@ def _untracked_live_tensors(tracker: Any, device: torch.device, *, fake: bool) -
     return [t for t in _live_device_tensors(device, fake=fake) if t.untyped_storage() not in known]
 
 
-# The CUDA stream an allocation would be made on, where the runner knows it: FSDP2 allocates its
-# all-gather output on a stream of its own ("all_gather_copy_in_stream", torch/distributed/fsdp/
-# _fully_shard/_fsdp_collectives.py foreach_all_gather), and the caching allocator never shares cached
-# blocks across streams. Everything else is the default stream (0). Not modelled: the reduce-scatter
-# stream of FSDP2's output gradients and NCCL's internal streams (DDP's buckets live on the default stream).
-FSDP_ALL_GATHER_STREAM = 1
+# The CUDA stream each traced allocation would be made on. The caching allocator keeps cached blocks per
+# (stream, pool) and never hands one stream's free block to another (harness/alloc.py), so where an
+# allocation is made changes the reserved peak. CUDA runs read the streams from the allocator's own
+# trace; CPU and fake runs know them from FSDP2, which enters its streams through the device handle
+# (``torch.cpu`` on CPU: ``torch.cpu.stream(s)`` really sets ``torch.cpu.current_stream()``, torch 2.13
+# torch/cpu/__init__.py StreamContext), so the stream current while an op allocates is the one CUDA
+# would allocate on (``_SimulatedStreams``). FSDP2's streams (torch 2.13, torch/distributed/fsdp/
+# _fully_shard/_fsdp_param_group.py FSDPCommContext.lazy_init) and what each allocates
+# (_fsdp_collectives.py):
+# - all_gather_copy_in_stream: ``foreach_all_gather`` allocates the all-gather output (and casts of the
+#   inputs under a mixed-precision policy) inside ``device_handle.stream(all_gather_copy_in_stream)``,
+#   in forward and for backward's first all-gather of each group (``get_all_gather_streams``; explicit
+#   prefetches use the current stream);
+# - reduce_scatter_stream: ``foreach_reduce`` allocates ``reduce_output`` (the sharded gradients are
+#   views of it) and any cast of it inside ``device_handle.stream(reduce_scatter_stream)``; its
+#   ``reduce_scatter_input`` is on the current stream;
+# - all_reduce_stream: the post-reduce work of HSDP and of ``replicate`` (FSDP2's data-parallel
+#   replication, used for pipeline ZeRO-0) and an all-reduce hook, which allocates only a cast of the
+#   reduced gradients to the parameters' dtype (``replicate``'s own ``reduce_output`` is made on the
+#   reduce-scatter stream: tiny, pp 2 × dp 2, ZeRO-0 has 3 allocations on stream 2 and none on 3);
+# - all_gather_stream: the collective only (nothing is allocated on it).
+# Each FSDP2 root has a comm context of its own (a rank with several pipeline stages has several); on CUDA
+# each stream comes from the device's stream pool, so each root's are distinct: root k's streams are the
+# ids below plus ``_STREAMS_PER_ROOT * k``. A side stream none of these owns gets an id from
+# ``_OTHER_STREAMS``.
+# DDP allocates nothing on a side stream: its reducer allocates the flat gradient buckets with
+# ``at::empty`` on the current (default) stream when it builds or rebuilds them (torch/csrc/distributed/
+# c10d/reducer.cpp ``Reducer::initialize_buckets``) and all-reduces them in place; ProcessGroupNCCL runs
+# the collective on its NCCL stream but allocates nothing there, and its ``recordStream`` on the input
+# (ProcessGroupNCCL.cpp ``collective``, unless TORCH_NCCL_AVOID_RECORD_STREAMS holds the tensor instead)
+# only delays the reuse of the block, which stays in its own stream's pool. So everything DDP allocates is
+# on stream 0, as CUDA's own trace of a DDP step shows. Not modelled: the CPU-only blocks of gloo (its
+# copies of collective inputs, on threads the tracker does not see) stay on stream 0.
+DEFAULT_STREAM = 0
+FSDP_ALL_GATHER_STREAM = 1  # all_gather_copy_in_stream
+FSDP_REDUCE_SCATTER_STREAM = 2  # reduce_scatter_stream
+FSDP_ALL_REDUCE_STREAM = 3  # all_reduce_stream
+FSDP_ALL_GATHER_COMM_STREAM = 4  # all_gather_stream
+_FSDP_STREAM_IDS = {
+    "all_gather_copy_in_stream": FSDP_ALL_GATHER_STREAM,
+    "reduce_scatter_stream": FSDP_REDUCE_SCATTER_STREAM,
+    "all_reduce_stream": FSDP_ALL_REDUCE_STREAM,
+    "all_gather_stream": FSDP_ALL_GATHER_COMM_STREAM,
+}
+_STREAMS_PER_ROOT = 4
+_OTHER_STREAMS = 1000
 
 
-def _stream_of(event) -> int:
-    parent = event.parent
-    while parent is not None:
-        name = parent.name
-        if name.startswith("FSDP::all_gather") and not name.startswith("FSDP::all_gather_copy_out"):
-            return FSDP_ALL_GATHER_STREAM
-        parent = parent.parent
-    return 0
+class _SimulatedStreams:
+    """Called, the id of the stream CUDA would allocate on now (see the stream constants above): 0 on the
+    default stream, else the FSDP2 stream of ``modules`` that is current. Made where the default stream is
+    current (the measured step's start)."""
+
+    def __init__(self, modules: list[nn.Module]):
+        self._modules = modules
+        self._default = torch.cpu.current_stream()
+        self._ids: dict[int, tuple[object, int]] = {}  # id(stream) → (stream, its id); the stream is kept
+        self._roots = 0
+        self._others = 0
+
+    def __call__(self) -> int:
+        current = torch.cpu.current_stream()
+        if current is self._default:
+            return DEFAULT_STREAM
+        known = self._ids.get(id(current))
+        if known is None:
+            self._find_fsdp_streams()
+            known = self._ids.get(id(current))
+        if known is None:
+            known = self._ids[id(current)] = (current, _OTHER_STREAMS + self._others)
+            self._others += 1
+        return known[1]
+
+    def _find_fsdp_streams(self) -> None:
+        # The comm contexts exist once FSDP2 has run its lazy init (at the first forward); each root's
+        # states share one (FSDPState._lazy_init), new roots are numbered in the order they are found.
+        from torch.distributed._composable_state import _get_module_state
+
+        for root in self._modules:
+            for module in root.modules():
+                ctx = getattr(_get_module_state(module), "_comm_ctx", None)
+                streams = [(getattr(ctx, name, None), sid) for name, sid in _FSDP_STREAM_IDS.items()]
+                if any(s is None or id(s) in self._ids for s, _ in streams):
+                    continue  # not FSDP2's, not initialised yet, or already numbered
+                for s, sid in streams:
+                    self._ids[id(s)] = (s, sid + _STREAMS_PER_ROOT * self._roots)
+                self._roots += 1
 
 
 def _all_threads_flag():
@@ -315,6 +442,10 @@ class _AllocatorPeak:
     event where ``start_cpu_accounting`` ran before it was made, else when its address is handed out
     again (``step_trace``)."""
 
+    # The tracker's ``stream_log`` (filled during the step) where PeakMemory gives it: the allocations'
+    # streams (``_StreamMatcher``); without it every allocation is on stream 0.
+    stream_log: list[tuple[int, int, int]] = ()
+
     def __enter__(self) -> _AllocatorPeak:
         from torch.profiler import ProfilerActivity, profile
 
@@ -376,12 +507,13 @@ class _AllocatorPeak:
                 open_at[ptr] = i
             elif ptr in open_at:
                 shown[open_at.pop(ptr)] = True
+        stream_of = _StreamMatcher(self.stream_log)
         # live block → (bytes, stream, free shown, index of its alloc event), oldest first
         sizes: dict[int, tuple[int, int, bool, int]] = {}
         guesses: dict[int, list[tuple[int, int, int, int]]] = {}  # bytes → (event index, addr, stream, made)
         late: dict[int, int] = {}  # frees still to come for blocks whose free was inferred
         running = found[0][4] - found[0][3] if found else 0
-        for i, (t_ns, _, ptr, size, total, event) in enumerate(found):
+        for i, (t_ns, _, ptr, size, total, _event) in enumerate(found):
             gap = (total - size) - running
             running = total
             if gap > 0:  # allocated on a thread the profiler does not see
@@ -425,7 +557,7 @@ class _AllocatorPeak:
                         self.events.append(_trace_event("free_completed", ptr, old, old_stream, t_ns))
                         self.inferred_frees += 1
                         late[ptr] = late.get(ptr, 0) + 1
-                stream = _stream_of(event)
+                stream = stream_of(ptr, size)
                 sizes[ptr] = (size, stream, shown[i], len(self.events))
                 self.events.append(_trace_event("alloc", ptr, size, stream, t_ns))
             elif late.get(ptr):
@@ -435,6 +567,32 @@ class _AllocatorPeak:
                 self.events.append(_trace_event("free_completed", ptr, size, stream, t_ns))
             else:  # a block made before the step (``step_trace`` knows those) or before counting began
                 self.events.append(_trace_event("free_completed", ptr, -size, 0, t_ns))
+
+
+class _StreamMatcher:
+    """Called with a profiled allocation's (address, bytes), its stream: that of the storage the tracker
+    saw an operator make at that address with that size (``Tracker.stream_log``), taken in order.
+    The profiler sees more allocations than the tracker (those no operator returns), so an allocation
+    is matched to the first of the next few storages logged at its address that has its size, and the
+    ones logged before it there are dropped (made where the profiler does not look); an allocation none
+    matches is on stream 0."""
+
+    _LOOKAHEAD = 4
+
+    def __init__(self, log: list[tuple[int, int, int]]):
+        self._at: dict[int, list[tuple[int, int]]] = {}  # address → (bytes, stream), latest last
+        for addr, size, stream in reversed(log):
+            self._at.setdefault(addr, []).append((size, stream))
+
+    def __call__(self, addr: int, size: int) -> int:
+        queue = self._at.get(addr)
+        if queue:
+            for k in range(1, min(len(queue), self._LOOKAHEAD) + 1):
+                if queue[-k][0] == size:
+                    stream = queue[-k][1]
+                    del queue[-k:]
+                    return stream
+        return DEFAULT_STREAM
 
 
 def _order_by_total(found: list[tuple]) -> None:
@@ -536,10 +694,15 @@ class PeakMemory:
         tracker.track_external(*_untracked_live_tensors(tracker, self.device, fake=not self.allocator))
         baseline = int(tracker.get_tracker_snapshot().get(self.device, {}).get("Total", 0))
         start_live = live_storages(self.device) if self.allocator else []
-        if not self.allocator:
-            tracker.start_trace()
+        streams = _SimulatedStreams(self.modules)
+        if self.allocator:
+            tracker.start_stream_log(streams)
+        else:
+            tracker.start_trace(streams)
         self.tracker = tracker
         allocator = _AllocatorPeak() if self.allocator else contextlib.nullcontext()
+        if self.allocator:
+            allocator.stream_log = tracker.stream_log
         with allocator, tracker:
             yield
         self.tracker = None
