@@ -29,7 +29,9 @@ def apply_fsdp(
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in model.layers.values():
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
-    # The root is needed at once by backward: FSDP2 keeps it unsharded after forward either way.
+    # The root with an explicit reshard_after_forward=True is resharded after forward and gathered again
+    # for backward (torch 2.13 keeps a root unsharded only when the setting is left to FSDP2:
+    # _fsdp_state.py FSDPState._lazy_init, ``_auto_reshard_after_forward``): two root all-gathers a step.
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
 
 
