@@ -21,7 +21,7 @@ def _real_and_fake(**kw) -> tuple[int, int]:
     real = run_point(s, timeout_s=240)
     assert real["status"] == "ok", real["error"]
     fake = in_fresh_process(_dry, s)
-    assert fake["memory_method"] == "fake_mem_tracker"
+    assert fake["memory_method"] == "fake"
     return real["per_rank_peak_bytes"][0], fake["peak_allocated_bytes"]
 
 
