@@ -71,3 +71,18 @@ def test_the_model_never_subtracts_memory():
     X = pd.DataFrame({"transient": [1e6, 2e6, 3e6, 4e6], "states": [1e6] * 4})
     m = FragmentationModel().fit(X, [-5e5, -4e5, -3e5, -2e5])
     assert m.constant_bytes_ >= 0 and (m.coef_ >= 0).all()
+
+
+def test_calibrate_prints_the_fragmentation_fit(frame_with_reserved):
+    """``harness calibrate``'s table names the fitted law and its held-out figures at the reserved level
+    (they were only in calibration.json and report.md); without reserved peaks it says it is not fitted."""
+    from harness.cli.render import calibration_table
+
+    ev = evaluate(frame_with_reserved, engine="torch", group_by="world")
+    table = calibration_table(ev, profile_path="p.json")
+    line = next(ln for ln in table.splitlines() if ln.startswith("fragmentation ("))
+    assert "sim_peak_reserved_bytes" in line and ev.fragmentation["summary"] in line
+    held = f"median APE {ev.fragmentation['held_out']['median_ape']:.1%}"
+    assert held in table.split(line, 1)[1]
+    plain = calibration_table(evaluate(pd.read_parquet(FIXTURE), engine="torch"), profile_path="p.json")
+    assert "fragmentation: not fitted" in plain

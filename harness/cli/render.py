@@ -510,6 +510,18 @@ def calibration_table(ev, *, profile_path: str) -> str:
         "memory that the paper's 80 % rule calls safe; excl.>80%: ok runs that the 80 % rule excludes.",
         f"profile ({profile_path}): {ev.model.describe()}",
     ]
+    f = ev.fragmentation
+    if f is None:
+        lines.append("fragmentation: not fitted (no run reports a reserved peak, measured or replayed)")
+    else:
+        h = f["held_out"]
+        safe = "none" if h["safe_threshold"] is None else f"{h['safe_threshold']:.1%}"
+        lines += [
+            f"fragmentation (reserved - allocated, fitted on {f['fitted_runs']} runs' {f['target']}): "
+            f"{f['summary']}",
+            f"  held out at the reserved level: median APE {h['median_ape']:.1%}, p95 {h['p95_ape']:.1%}, "
+            f"worst under {h['max_under_prediction']:.1%}, safe threshold {safe}",
+        ]
     return "\n".join(lines)
 
 
