@@ -56,10 +56,14 @@ def layout_label(r: pd.Series) -> str:
 
 def _extras(r: pd.Series) -> str:
     """What the second round's grids vary, shown only where it differs from the default: every N-th
-    layer recomputed, tied embeddings, the attention kernel, the micro-batch count."""
+    layer recomputed (``/N``; Megatron's methods as ``/uniformN``, ``/blockN``), tied embeddings, the
+    attention kernel, the micro-batch count."""
     out = ""
     every = r.get("train_recompute_every")
-    if every is not None and every == every and int(every) > 1:
+    method = r.get("train_recompute_method")
+    if every is not None and every == every and method in ("uniform", "block"):
+        out += f"/{method}{int(every)}"
+    elif every is not None and every == every and int(every) > 1:
         out += f"/{int(every)}"
     if bool(r.get("model_tie_embeddings", False)):
         out += " tied"

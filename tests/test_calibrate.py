@@ -220,3 +220,30 @@ def test_fake_out_of_memory_rows_keep_their_whole_peak():
     frame["peak_allocated_bytes"] = 1e9
     frame["oom_source"] = ["fake", "simulated", "cuda"]
     assert prepare(frame).measured.tolist() == [True, True, False]
+
+
+def test_layout_label_tells_the_recomputation_methods_apart():
+    """Every 2nd block, Megatron's uniform groups of 2 and its first 2 blocks are different layouts
+    (different memory): the report's label must not print them alike."""
+    import pandas as pd
+
+    from harness.report import layout_label
+
+    base = {
+        "parallel_dp": 1,
+        "parallel_tp": 1,
+        "parallel_pp": 1,
+        "parallel_cp": 1,
+        "parallel_zero_stage": 0,
+        "parallel_sequence_parallel": False,
+        "train_micro_batch_size": 1,
+        "train_recompute": "full",
+        "train_recompute_every": 2,
+    }
+    labels = {
+        method: layout_label(pd.Series({**base, "train_recompute_method": method}))
+        for method in ("every", "uniform", "block")
+    }
+    assert labels["every"].endswith("rc=full/2")
+    assert labels["uniform"].endswith("rc=full/uniform2") and labels["block"].endswith("rc=full/block2")
+    assert layout_label(pd.Series({**base, "train_recompute_every": 1})).endswith("rc=full")
