@@ -135,3 +135,23 @@ def test_console_script_is_installed():
     )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["model"] == "tiny"
+
+
+def test_tables_print_the_recomputation_method_and_its_n():
+    """Every-N and Megatron's methods printed as they are (they all printed as ``full``)."""
+    from harness.cli.render import recompute_label
+
+    assert recompute_label("full") == "full" and recompute_label("selective", 2, "uniform") == "selective"
+    assert recompute_label("full", 2, "every") == "full/2"
+    assert recompute_label("full", 2, "uniform") == "full/uniform2"
+    assert recompute_label("full", 4, "block") == "full/block4"
+    assert recompute_label("full", None, None) == "full"  # a row from before the fields existed
+    res = harness_cli(
+        "estimate",
+        "model=tiny",
+        "train.recompute=full",
+        "train.recompute_every=2",
+        "train.recompute_method=uniform",
+    )
+    assert res.returncode == 0, res.stderr
+    assert "recompute full/uniform2" in res.stdout

@@ -86,11 +86,22 @@ def layout_line(spec: RunSpec) -> str:
     return " ".join(parts) + f"  (world {p.world})"
 
 
+def recompute_label(recompute: str, every: Any = 1, method: Any = "every") -> str:
+    """``full``, ``full/2`` (every 2nd block), ``full/uniform2`` or ``full/block2`` (Megatron's
+    ``--recompute-method`` with ``--recompute-num-layers 2``): the recomputation as tables print it."""
+    if recompute != "full" or every is None or every != every:
+        return str(recompute)
+    if method in ("uniform", "block"):
+        return f"full/{method}{int(every)}"
+    return f"full/{int(every)}" if int(every) > 1 else "full"
+
+
 def train_line(spec: RunSpec) -> str:
     t = spec.train
+    rc = recompute_label(t.recompute, t.recompute_every, t.recompute_method)
     return (
         f"seq {t.seq_len} × micro-batch {t.micro_batch_size} × {t.num_microbatches} micro-batches "
-        f"(global batch {spec.global_batch_size}), recompute {t.recompute}, {t.precision}, "
+        f"(global batch {spec.global_batch_size}), recompute {rc}, {t.precision}, "
         f"{t.attention} attention"
     )
 
@@ -196,6 +207,8 @@ def _row_fields(row: PlanRow) -> dict[str, Any]:
         "train_micro_batch_size": t.micro_batch_size,
         "train_num_microbatches": t.num_microbatches,
         "train_recompute": t.recompute,
+        "train_recompute_every": t.recompute_every,
+        "train_recompute_method": t.recompute_method,
         "total_bytes": row.estimate.total_bytes,
         "calibrated_bytes": row.calibrated_bytes,
         "device_total_bytes": row.predicted_bytes,
@@ -280,7 +293,7 @@ def plan_table(result: PlanResult, opts: PlanOptions, *, top: int, explain: bool
     header = (
         f"{'#':>3} {'dp':>5} {'tp':>3} {'pp':>3} {'cp':>4} {'zero':>4} {'sched':>10} {'mbs':>4} {'m':>5} "
     )
-    header += f"{'recomp':>9} {'memory':>10} {'util':>6} {'bubble':>7} {'comm':>10}"
+    header += f"{'recomp':>13} {'memory':>10} {'util':>6} {'bubble':>7} {'comm':>10}"
     header += f" {'step s':>8}" if has_time else ""
     header += f" {'TFLOP/s':>8}" if fitted else ""
     lines.append(header)
@@ -292,7 +305,8 @@ def plan_table(result: PlanResult, opts: PlanOptions, *, top: int, explain: bool
         )
         line = (
             f"{i:>3} {p.dp:>5} {p.tp:>3} {p.pp:>3} {p.cp:>4} {p.zero_stage:>4} {sched:>10} "
-            f"{t.micro_batch_size:>4} {t.num_microbatches:>5} {t.recompute:>9} "
+            f"{t.micro_batch_size:>4} {t.num_microbatches:>5} "
+            f"{recompute_label(t.recompute, t.recompute_every, t.recompute_method):>13} "
             f"{human(row.predicted_bytes):>10} {row.utilisation:>6.1%} {c.bubble:>7.1%} "
             f"{human(c.comm_bytes):>10}"
         )
@@ -436,11 +450,14 @@ def _timing(r: dict[str, Any]) -> str:
 
 def record_table(record: dict[str, Any]) -> str:
     r = record
+    rc = recompute_label(
+        r["train_recompute"], r.get("train_recompute_every"), r.get("train_recompute_method")
+    )
     lines = [
         f"{r['model_name']} on {r['device_name']}, config_id {r['config_id']}: status {r['status'].upper()}",
         f"layout  dp={r['parallel_dp']} tp={r['parallel_tp']} pp={r['parallel_pp']} cp={r['parallel_cp']} "
         f"zero={r['parallel_zero_stage']}  seq {r['train_seq_len']} × micro-batch "
-        f"{r['train_micro_batch_size']} × {r['train_num_microbatches']}, recompute {r['train_recompute']}, "
+        f"{r['train_micro_batch_size']} × {r['train_num_microbatches']}, recompute {rc}, "
         f"{r['train_precision']}",
     ]
     if r.get("error"):
