@@ -572,7 +572,7 @@ def test_ranks_in_the_trace_cache_are_not_traced_again(monkeypatch, tmp_path):
     assert started == [0, 8, 9] and len(list(tmp_path.glob("*.json"))) == 3
     started, _ = _scripted_tracing(monkeypatch, [], results)
     again = _trace_ranks(s, [0, 8], deadline=0.0, kernels="cuda", jobs=2, cache=cache)
-    assert started == [] and again == first
+    assert started == [] and again == [{**r, "cached": True} for r in first]
 
     failed = {"error": "RuntimeError: boom"}
     started, _ = _scripted_tracing(monkeypatch, [[4]], {4: failed})
@@ -580,3 +580,25 @@ def test_ranks_in_the_trace_cache_are_not_traced_again(monkeypatch, tmp_path):
     started, _ = _scripted_tracing(monkeypatch, [[4]], {4: failed})
     _trace_ranks(s, [4], deadline=0.0, kernels="cuda", jobs=1, cache=cache)
     assert started == [4]
+
+
+def test_harness_run_fake_takes_a_rank_traced_for_another_card_from_the_cache(tmp_path):
+    """``run.fake_cache``: tiny dp 2 traced for an A100 is taken as it is for an H100 (nothing traced
+    again: the record says which ranks came from the cache), the same figures, the H100's name."""
+    args = [
+        "run",
+        "run.mode=fake",
+        "model=tiny",
+        "parallel.dp=2",
+        f"run.fake_cache={tmp_path}",
+        "format=json",
+    ]
+    a100 = harness_cli(*args, "device=a100_40gb")
+    h100 = harness_cli(*args, "device=h100_94gb")
+    assert a100.returncode == 0 and h100.returncode == 0, a100.stderr + h100.stderr
+    first, second = json.loads(a100.stdout), json.loads(h100.stdout)
+    assert (first["fake_cached_ranks"], second["fake_cached_ranks"]) == ([], [0])
+    assert (first["device_name"], second["device_name"]) == ("a100_40gb", "h100_94gb")
+    for key in ("peak_allocated_bytes", "per_rank_peak_bytes", "sim_peak_reserved_bytes", "mem_params_bytes"):
+        assert first[key] == second[key], key
+    assert first["config_id"] != second["config_id"]

@@ -188,7 +188,7 @@ def _trace_ranks(
                 hit = cache.load(spec, rank, kernels) if cache is not None else None
                 if hit is not None:
                     log.info("fake: rank %d of %s taken from the trace cache", rank, config_id(spec))
-                    results[rank], reused = hit, True
+                    results[rank], reused = {**hit, "cached": True}, True
                     extras[rank] = _zero1_worst_rank(spec, hit)
                     continue
                 running[rank] = _start_child(spec, rank, Path(tmp) / f"rank{rank}.json", kernels)
@@ -330,6 +330,7 @@ def fake_record(
     for key in TIMING_FIELDS:
         row.pop(key, None)
     row["fake_traced_ranks"] = sorted(r["rank"] for r in ranks)
+    row["fake_cached_ranks"] = sorted(r["rank"] for r in ranks if r.get("cached"))  # (run.fake_cache)
     row["fake_kernels"] = ranks[0].get("kernels") if ranks else None
     row["fake_trace_s"] = [r.get("trace_s") for r in sorted(ranks, key=lambda r: r["rank"])]
     row["fake_trace_cpu_s"] = [r.get("trace_cpu_s") for r in sorted(ranks, key=lambda r: r["rank"])]
