@@ -283,6 +283,9 @@ def _activation_terms(
         # over-predicted by ~19 % when both were added.
         working = act.recompute_working_set(m, p, t, engine=engine, fused_norm=fused_norm, autocast=autocast)
         activations -= min(working, logits + loss)
+    if engine == "torch":
+        # A block's backward gradients: a peak of their own where no loss buffers come first.
+        activations += max(0, act.backward_working_set(m, p, t) - logits - loss)
     items = (
         ("activations", activations),
         ("token_ids", act.token_ids(p, t, stage=stage, engine=engine)),
@@ -385,7 +388,10 @@ def _replicated_embedding_grad(
     per_chunk = held // inflight  # (recomputation's working set is small against a chunk; left in)
     freed = inflight - max(0, min(inflight - 1, t.num_microbatches - 2))
     grads_made = 0 if grads != "none" else terms["step_grads"]
-    candidate = buffers + activations - freed * per_chunk + grads_made + full
+    # The blocks' backward working set (in ``activations``, act.backward_working_set) is gone by the
+    # embedding's backward, the stage's last.
+    working = max(0, act.backward_working_set(m, p, t) - terms["logits"] - terms["loss"])
+    candidate = buffers + activations - working - freed * per_chunk + grads_made + full
     more = max(0, candidate - (buffers + activations))
     terms["grad_reduce"] += more
     return states, buffers + more, step
@@ -402,7 +408,8 @@ def estimate(spec: RunSpec, *, engine: str = "torch") -> Estimate:
 
 def dominant_stages(p: ParallelSpec, t: TrainSpec) -> tuple[int, ...]:
     """The stages among which the most-loaded one always is: 0, 1, the last, and the first middle
-    stage whose peak follows a backward (torch: its gradients are alive then).
+    stage whose peak follows a backward (torch: its gradients are alive then); every stage under
+    interleaved 1F1B.
 
     Stages 1 … pp − 2 hold the same parameters (L/pp layers, no embedding or head), the same buffers
     and no token ids; they differ in in-flight micro-batches, which never grow with the stage index
@@ -412,6 +419,10 @@ def dominant_stages(p: ParallelSpec, t: TrainSpec) -> tuple[int, ...]:
     stages (a property test checks it).
     """
     pp = p.pp
+    if p.pp_schedule == "interleaved_1f1b" and p.virtual_stages > 1:
+        # Interleaved 1F1B keeps the sends of a rank's finished backwards until the step ends, more of
+        # them the later the rank (buffers.interleaved_sends_kept): no few stages bound the rest.
+        return tuple(range(pp))
     stages = {0, min(1, pp - 1), pp - 1}
     for i in range(1, pp - 1):
         if st.torch_grads_at_peak(p, t, stage=i) == "accumulated":
