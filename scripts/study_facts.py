@@ -58,7 +58,7 @@ def main() -> None:
         own = pd.Series((alloc / measured)[m & (alloc > 0)])
         print(
             f"replayed allocated / measured allocated: median {own.median():.4f}, below 0.98 on "
-            f"{(own < 0.98).mean():.1%} of runs, min {own.min():.3f}"
+            f"{(own < 0.98).mean():.1%} of runs, min {own.min():.3f}, max {own.max():.3f}"
         )
 
 
