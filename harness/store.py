@@ -175,6 +175,21 @@ def _reference_types(schemas: list[pa.Schema]) -> dict[str, pa.DataType]:
     return {name: counts.most_common(1)[0][0] for name, counts in votes.items()}
 
 
+def _widen_integers(tables: list[pa.Table]) -> list[pa.Table]:
+    """Integer columns that another table holds as floating point (a row file's int64 beside a
+    dataset's float64, which its nulls made floating) cast to float64 here, unchecked. Arrow's
+    permissive promotion refuses integers beyond 2**53 — paper-scale FLOP counts per step are ~1e16 —
+    which a float64 holds to a few parts in 1e16."""
+    floating = {f.name for t in tables for f in t.schema if pa.types.is_floating(f.type)}
+    out = []
+    for t in tables:
+        for i, f in enumerate(t.schema):
+            if f.name in floating and pa.types.is_integer(f.type):
+                t = t.set_column(i, f.name, pc.cast(t.column(i), pa.float64(), safe=False))
+        out.append(t)
+    return out
+
+
 def _clash(schema: pa.Schema, reference: dict[str, pa.DataType]) -> str | None:
     for f in schema:
         ref = reference.get(f.name)
@@ -229,7 +244,7 @@ def load_results(
         tables.append(table)
     if not tables:
         return pd.DataFrame(), bad
-    frame = pa.concat_tables(tables, promote_options="permissive").to_pandas()
+    frame = pa.concat_tables(_widen_integers(tables), promote_options="permissive").to_pandas()
     if "config_id" in frame:
         frame = frame.drop_duplicates("config_id", keep="last").reset_index(drop=True)
     return frame, bad

@@ -144,3 +144,19 @@ def test_row_files_are_the_truth_and_the_dataset_is_derived(tmp_path):
         f.unlink()
     write_record(record(5), tmp_path)
     assert existing_ids(tmp_path) == {"id0000", "id0001", "id0005"}
+
+
+def test_paper_scale_integers_beside_a_compacted_floating_column_load(tmp_path):
+    """A FLOP count of a 70B step (~1.4e16, beyond 2**53) in a row file, the same column floating in
+    the compacted dataset (an invalid row's null made it so): Arrow's permissive concatenation refused
+    the integer ("not in range"), so calibrate and report failed on the paper fake studies."""
+    big = 13_769_733_870_452_736
+    write_record(record(0, status="invalid", model_flops_per_step=None), tmp_path)
+    write_record(record(1, model_flops_per_step=big), tmp_path)
+    compact(tmp_path)
+    write_record(record(2, model_flops_per_step=big + 2**10), tmp_path)  # a row file after the compaction
+    frame, bad = load_results(tmp_path)
+    assert bad == [] and len(frame) == 3
+    flops = frame.set_index("config_id")["model_flops_per_step"]
+    assert flops["id0001"] == float(big) and flops["id0002"] == float(big + 2**10)
+    assert pd.isna(flops["id0000"])
