@@ -252,7 +252,8 @@ def all_figures(ev: Evaluation, frame: pd.DataFrame, out_dir: str | Path) -> dic
         "utilisation_vs_outcome": utilisation_vs_outcome(ev, out),
         "residuals_by_term": residuals_by_term(ev, out),
     }
-    if (frame["status"] == "ok").any() and frame["tflops_per_device"].notna().any():
+    timed = "tflops_per_device" in frame and frame["tflops_per_device"].notna().any()
+    if (frame["status"] == "ok").any() and timed:  # (fake runs time nothing)
         figures["throughput_tp_pp"] = throughput_heatmap(frame, out)
     return figures
 

@@ -181,6 +181,8 @@ def calibration_section(ev: Evaluation) -> list[str]:
 
 
 def throughput_section(frame: pd.DataFrame) -> list[str]:
+    if "tflops_per_device" not in frame:
+        return ["## Throughput", "", "No run has a throughput figure (fake runs time nothing)."]
     ok = frame[(frame["status"] == "ok") & frame["tflops_per_device"].notna()].copy()
     if ok.empty:
         return ["## Throughput", "", "No successful run has a throughput figure."]

@@ -247,3 +247,17 @@ def test_layout_label_tells_the_recomputation_methods_apart():
     assert labels["every"].endswith("rc=full/2")
     assert labels["uniform"].endswith("rc=full/uniform2") and labels["block"].endswith("rc=full/block2")
     assert layout_label(pd.Series({**base, "train_recompute_every": 1})).endswith("rc=full")
+
+
+def test_report_of_runs_without_timing_fields(tmp_path):
+    """Fake runs record no timing fields at all: the report says so instead of failing on the missing
+    throughput column (it did, on the paper fake studies)."""
+    from harness.report import write_report
+
+    frame = pd.read_parquet(FIXTURE / "dataset.parquet")
+    timing = [c for c in frame.columns if c.startswith(("tflops", "step_time", "tokens_per", "mfu"))]
+    path = write_report(frame.drop(columns=timing), out_dir=tmp_path, results_dir="fixture", engine="torch")
+    text = path.read_text()
+    assert "No run has a throughput figure (fake runs time nothing)." in text
+    assert not (tmp_path / "figures" / "throughput_tp_pp.png").exists()
+    assert (tmp_path / "figures" / "predicted_vs_measured.png").exists()
