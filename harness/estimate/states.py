@@ -109,7 +109,7 @@ def torch_grads_at_peak(p: ParallelSpec, t: TrainSpec, *, stage: int) -> str:
     - ``"accumulated"``: the peak micro-batch follows a backward on this rank, which made them:
       gradient accumulation (m > 1), and pipeline stages whose in-flight micro-batches are fewer than
       their micro-batches (1F1B's last stage from its second micro-batch on; never GPipe, whose
-      forwards all come first). FSDP2 accumulates them unsharded, in the compute dtype.
+      forwards all come first). FSDP2 accumulates them unsharded, in FP32 (its reduce dtype).
     - ``"none"``: the peak (at the loss of the only micro-batch, or at the end of a pipeline's warm-up)
       comes before any backward; the gradients are a term of the optimizer step only. Measured on the
       CPU study: a single rank's and FSDP's peak hold no gradients.
