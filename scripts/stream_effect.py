@@ -22,22 +22,9 @@ MIB = 2**20
 
 def fake_traces(spec) -> list[tuple[str, list[dict]]]:
     """Rank 0's trace of a fake run (the one its sim_* figures replay)."""
-    import harness.runner.measure as measure
     from harness.runner.fake import trace_rank
 
-    kept = []
-    simulated = measure.simulated
-
-    def keep(events):
-        kept.append(events)
-        return simulated(events)
-
-    measure.simulated = keep
-    try:
-        trace_rank(spec, 0)
-    finally:
-        measure.simulated = simulated
-    return [("fake rank0", kept[-1])]
+    return [("fake rank0", trace_rank(spec, 0, keep_trace=True)["trace"])]
 
 
 def real_traces(spec, tmp: Path) -> list[tuple[str, list[dict]]]:

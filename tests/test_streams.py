@@ -98,19 +98,10 @@ def test_ddp_allocates_everything_on_the_default_stream(tmp_path):
 
 def _fake_trace(s) -> tuple[dict, list[dict]]:
     """A fake rank 0's record and the trace its sim_* figures replayed (in a fresh process)."""
-    import harness.runner.measure as measure
     from harness.runner.fake import trace_rank
 
-    replayed = []
-    simulated = measure.simulated
-
-    def keep(events):
-        replayed.append(events)
-        return simulated(events)
-
-    measure.simulated = keep
-    record = trace_rank(s, 0)
-    (events,) = replayed
+    record = trace_rank(s, 0, keep_trace=True)
+    events = record.pop("trace")
     return record, [{k: e[k] for k in ("action", "addr", "size", "stream")} for e in events]
 
 

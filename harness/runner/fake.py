@@ -419,9 +419,12 @@ def gpu_kernels(spec: RunSpec) -> bool:
     return spec.device.name != "cpu"
 
 
-def trace_rank(spec: RunSpec, rank: int, *, kernels: str | None = None) -> dict[str, Any]:
+def trace_rank(
+    spec: RunSpec, rank: int, *, kernels: str | None = None, keep_trace: bool = False
+) -> dict[str, Any]:
     """Peak memory of ``rank`` over one measured step after a warm-up step (:func:`warm_up`), traced in
-    this process (which must hold no process group); ``kernels`` as in :func:`run_fake`."""
+    this process (which must hold no process group); ``kernels`` as in :func:`run_fake`. ``keep_trace``:
+    the measured step's allocation trace (the events its ``sim_*`` figures replay) as ``trace``."""
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -471,6 +474,8 @@ def trace_rank(spec: RunSpec, rank: int, *, kernels: str | None = None) -> dict[
             "coords": {name: mesh[name].get_local_rank() for name in MESH_DIMS},
             "kernels": "cuda" if cuda else "cpu",
         }
+        if keep_trace:
+            out["trace"] = memory.trace["device_traces"][0]
         partition = _zero1_partition(par.optimizer)
         if partition is not None:
             out["zero1_partition_numel"] = partition
