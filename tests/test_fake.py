@@ -559,6 +559,56 @@ def test_trace_key_ignores_the_card_but_not_the_layout_kernels_rank_or_code(monk
     assert fake_cache.trace_key(a100, 0, "cuda") != key
 
 
+def _stage_trace(s, stage):
+    from harness.runner import fake
+
+    r = fake.trace_rank(s, fake.rank_of(s, stage=stage), keep_trace=True)
+    events = [(e["action"], e["size"], e.get("stream")) for e in r.pop("trace")]
+    timings = ("trace_s", "trace_cpu_s", "host_rss_bytes")
+    return {**{k: v for k, v in r.items() if k not in timings}, "events": events}
+
+
+@pytest.mark.parametrize(
+    "layout, invariant",
+    [
+        ({"parallel_pp": 2, "parallel_cp": 2, "parallel_zero_stage": 0}, True),  # replicate per stage
+        ({"parallel_zero_stage": 0}, True),  # DDP's buckets
+        ({"parallel_zero_stage": 1}, False),  # ZeroRedundancyOptimizer's partition is 1/dp
+    ],
+)
+def test_without_zero_a_rank_traces_the_same_for_any_data_parallel_size(layout, invariant):
+    """What lets the trace cache key dp as "2 or more" without ZeRO: the last stage's rank traced with
+    dp 2 and with dp 4 gives the same figures and the same events (action, size, stream), in order;
+    with ZeRO-1 it does not, and the keys say so."""
+    from harness.runner.fake import rank_of
+    from harness.runner.fake_cache import trace_key
+
+    two, four = (
+        spec("tiny", "h100_94gb", parallel_dp=dp, train_seq_len=128, train_num_microbatches=4, **layout)
+        for dp in (2, 4)
+    )
+    last = two.parallel.pp - 1
+    a, b = (in_fresh_process(_stage_trace, s, last) for s in (two, four))
+    assert a["peak_allocated_bytes"] > 0 and len(a["events"]) > 100
+    assert (a == b) is invariant
+    keys = (trace_key(s, rank_of(s, stage=last), "cuda") for s in (two, four))
+    assert (len(set(keys)) == 1) is invariant
+
+
+def test_trace_key_counts_data_parallel_replicas_only_as_one_or_more_without_zero():
+    from harness.runner.fake_cache import mesh_coords, trace_key
+
+    def key(dp, stage=1, **kw):
+        s = spec("tiny", parallel_pp=2, parallel_dp=dp, parallel_zero_stage=0, **kw)
+        return trace_key(s, rank_of(s, stage=stage), "cuda")
+
+    assert key(2) == key(4) == key(8) != key(1)
+    assert key(2) != key(2, stage=0)
+    assert key(2, train_micro_batch_size=2) != key(2)
+    s = spec("tiny", parallel_pp=2, parallel_dp=4, parallel_cp=2, parallel_tp=2)
+    assert mesh_coords(s, rank_of(s, stage=1, dp=3, cp=1, tp=0)) == {"pp": 1, "dp": 3, "cp": 1, "tp": 0}
+
+
 def test_ranks_in_the_trace_cache_are_not_traced_again(monkeypatch, tmp_path):
     """Ranks 0 and 8 traced (8 names ZeRO-1 rank 9), kept; the same layout again traces nothing and
     gives the same results in the same order. A failed rank is not kept: it is traced again."""
@@ -580,6 +630,27 @@ def test_ranks_in_the_trace_cache_are_not_traced_again(monkeypatch, tmp_path):
     started, _ = _scripted_tracing(monkeypatch, [[4]], {4: failed})
     _trace_ranks(s, [4], deadline=0.0, kernels="cuda", jobs=1, cache=cache)
     assert started == [4]
+
+
+def test_a_layout_traced_with_another_data_parallel_size_is_taken_with_this_layouts_ranks(
+    monkeypatch, tmp_path
+):
+    """Without ZeRO, pp 2 traced on 4 GPUs (dp 2: ranks 0 and 2) serves pp 2 on 8 GPUs (dp 4: ranks 0
+    and 4): nothing traced again, each result under the rank of the same stage in the new layout."""
+    from harness.runner.fake import _trace_ranks
+    from harness.runner.fake_cache import TraceCache
+
+    cache = TraceCache(tmp_path)
+    small, large = (spec("tiny", parallel_pp=2, parallel_dp=dp, parallel_zero_stage=0) for dp in (2, 4))
+    started, _ = _scripted_tracing(monkeypatch, [[0, 2]], {0: _ok(5), 2: _ok(7)})
+    _trace_ranks(small, traced_ranks(small), deadline=0.0, kernels="cuda", jobs=2, cache=cache)
+    started, _ = _scripted_tracing(monkeypatch, [], {})
+    taken = _trace_ranks(large, traced_ranks(large), deadline=0.0, kernels="cuda", jobs=2, cache=cache)
+    assert started == [] and traced_ranks(large) == [0, 4]
+    assert [(r["rank"], r["peak_allocated_bytes"], r["cached"]) for r in taken] == [
+        (0, 5, True),
+        (4, 7, True),
+    ]
 
 
 def test_harness_run_fake_takes_a_rank_traced_for_another_card_from_the_cache(tmp_path):

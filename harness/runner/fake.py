@@ -188,8 +188,9 @@ def _trace_ranks(
                 hit = cache.load(spec, rank, kernels) if cache is not None else None
                 if hit is not None:
                     log.info("fake: rank %d of %s taken from the trace cache", rank, config_id(spec))
-                    results[rank], reused = {**hit, "cached": True}, True
-                    extras[rank] = _zero1_worst_rank(spec, hit)
+                    # (an entry may come from the same layout with another dp: fake_cache)
+                    results[rank], reused = {**hit, "rank": rank, "cached": True}, True
+                    extras[rank] = _zero1_worst_rank(spec, results[rank])
                     continue
                 running[rank] = _start_child(spec, rank, Path(tmp) / f"rank{rank}.json", kernels)
             if reused:
