@@ -347,10 +347,12 @@ def vocab_shards(p: ParallelSpec, *, engine: str) -> int:
 
 
 def held_outputs(p: ParallelSpec, t: TrainSpec, *, engine: str) -> int:
-    """Micro-batches' head outputs alive at the last stage's peak. Without a pipeline the output is
-    consumed by the loss and only its gradient remains (1 per in-flight micro-batch). torch's
-    pipelining also keeps each stage output in the schedule's forward cache until that micro-batch's
-    backward, so one more (measured on the runner: +b·s·v·4 bytes on the last stage at FP32)."""
+    """Logit-sized tensors per in-flight micro-batch at the last stage's peak, counted once more under
+    torch's pipelining (measured on the runner: +b·s·v·4 bytes on the last stage at FP32). Without a
+    pipeline the output is consumed by the loss and only its gradient remains. Under torch's
+    pipelining the schedule's forward cache keeps each stage output until that micro-batch's
+    backward, and the loss's backward adds the FP32 gradient of the upcast logits (:func:`logits`
+    says which of them are in which dtype)."""
     extra = 1 if (engine == "torch" and p.pp > 1) else 0
     return _last_stage_inflight(p, t) + extra
 
@@ -363,9 +365,19 @@ def logits(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: s
     loss's backward peak, beside the saved FP32 log-softmax and the FP32 gradient of it
     (:func:`harness.estimate.buffers.loss`), is ``_log_softmax_backward_data``'s FP32 output, the
     gradient of the upcast logits — FP32 whatever the compute dtype (traced with ``run.mode=fake``,
-    Llama-3-8B BF16: 3 × 4 B per logit at the peak; issue 14)."""
+    Llama-3-8B BF16: 3 × 4 B per logit at the peak; issue 14).
+
+    torch under pipelining: the forward cache's head outputs, one per in-flight micro-batch (GPipe:
+    all m), in the compute dtype, plus that FP32 gradient of the upcast logits. Traced on ``tiny``
+    (s 512, b 4, pp 2, BF16), the last stage's peak holds 3 FP32 logit-sized tensors and 1 BF16 one
+    under 1F1B, 4 and 2 under GPipe with 2 micro-batches (with :func:`harness.estimate.buffers.loss`'s
+    FP32 softmax and its gradient); the engine had counted that gradient in the compute dtype, 11 %
+    short of the BF16 trace (FP32 cannot tell them apart)."""
     if stage != p.pp - 1:
         return 0
     sbv = t.seq_len * t.micro_batch_size * m.vocab_size
-    elem = 4 if (engine == "torch" and p.pp == 1 and p.tp == 1) else elem_bytes(t.precision)
+    if engine == "torch" and p.pp > 1:
+        per_logit = elem_bytes(t.precision) * _last_stage_inflight(p, t) + 4
+        return per_logit * sbv // vocab_shards(p, engine=engine)
+    elem = 4 if (engine == "torch" and p.tp == 1) else elem_bytes(t.precision)
     return elem * sbv // vocab_shards(p, engine=engine) * held_outputs(p, t, engine=engine)
