@@ -31,10 +31,11 @@ def test_stage0_embedding_gradient_is_replicated_and_doubled_at_the_second_backw
     # 1F1B stage 0 holds 2 micro-batches and runs 4: gradients exist at the peak ("accumulated").
     # Their sharded size 4·n, plus the embedding's other half: 4 · 8192·128 · (1 − 1/2) = 2 MiB.
     assert terms["grads"] == 4 * n + 2 * MIB
-    # The activations: 4 MiB held (test_autocast_layer below) and, at the first backward, the MLP's
-    # backward working set, 3 BF16 tensors of b·s·f/t = 1·256·176: 3 · 45 056 · 2 = 270 336 B.
-    working = 3 * 256 * 176 * 2
-    assert terms["activations"] == 4 * MIB + working
+    # The activations: 4 MiB held (test_autocast_layer below); at the first backward, the MLP's
+    # backward working set, 3 BF16 tensors of b·s·f/t = 1·256·176 less the down projection's saved
+    # input: 2 · 45 056 · 2 = 180 224 B; the 2 in-flight stage outputs, FP32 s·b·h/t = 65 536 B each.
+    working = 2 * 256 * 176 * 2
+    assert terms["activations"] == 4 * MIB + working + 2 * 65_536
     # The second backward's end: a new full embedding gradient, 4 · 8192·128 = 4 MiB, while one
     # micro-batch's activations are freed (2 in flight − min(2 − 1, 4 − 2) = 1 of the 4 MiB held:
     # 2 MiB) and the working set is gone; what that adds over the forward/backward terms:
@@ -75,10 +76,10 @@ def test_as_many_micro_batches_as_stages_puts_the_gradient_at_the_step():
     assert terms["grads"] == 0
     assert terms["step_grads"] == 4 * n + 1 * MIB
     # The second backward's end frees both micro-batches (2 − min(2 − 1, 2 − 2) = 2 of 2) and the
-    # blocks' backward working set (3 · 256·176 · 2 B) and holds every gradient (4·n + 1 MiB) and the
-    # new embedding gradient (2 MiB): it adds that less the 4 MiB of activations and the working set
-    # over the first backward's peak.
-    assert terms["grad_reduce"] == 4 * n + 1 * MIB + 2 * MIB - 4 * MIB - 3 * 256 * 176 * 2
+    # blocks' backward working set (2 · 256·176 · 2 B net) and holds every gradient (4·n + 1 MiB) and
+    # the new embedding gradient (2 MiB): it adds that less the 4 MiB of activations and the working
+    # set over the first backward's peak.
+    assert terms["grad_reduce"] == 4 * n + 1 * MIB + 2 * MIB - 4 * MIB - 2 * 256 * 176 * 2
 
 
 def test_without_tensor_parallelism_nothing_changes():

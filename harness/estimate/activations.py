@@ -288,16 +288,50 @@ def recompute_working_set(
 
 
 def backward_working_set(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
-    """The gradients a block's backward holds at once beyond the activations (torch): its MLP's, three
-    b·(s/c)·(f/t) tensors in the compute dtype — the gradient of the down projection's input, then
-    those of the gate and up projections' outputs made from it — at the first backward, when every
+    """What a block's backward holds at its peak beyond the activations (torch): its MLP's gradients,
+    three b·(s/c)·(f/t) tensors in the compute dtype — the gradient of the down projection's input,
+    then those of the gate and up projections' outputs made from it — less the down projection's saved
+    input (one of the same size), which autograd releases once that projection's backward has run,
+    before the other two are made: two above the activations, at the first backward, when every
     in-flight micro-batch's activations are still alive. On the last stage the loss's buffers (the
     logits' gradient) are larger and gone before a block's backward starts, so the working set is a
     peak of its own only on the other stages. Traced on ``tiny`` (s 512, b 4, pp 2, 2 micro-batches),
-    stage 0: 3 × 2.75 MiB of FP32 "temporaries" at the peak, with and without full recomputation and
-    under GPipe; 3 × 1.375 MiB in BF16 and at tp 2 — what the engine lacked there (8 %)."""
+    stage 0: 3 × 2.75 MiB of FP32 "temporaries" at the peak (also under full recomputation and GPipe;
+    3 × 1.375 MiB in BF16 and at tp 2), with the activations one 2.75 MiB tensor short of all in-flight
+    ones; at Llama-2-7B's shapes (s 8192, BF16, pp 2-8) seven of eight in-flight b·s·f tensors of
+    the last block alive beside the three."""
     tokens = t.micro_batch_size * (t.seq_len // p.cp)
-    return 3 * tokens * (m.ffn_hidden_size // p.tp) * elem_bytes(t.precision)
+    return 2 * tokens * (m.ffn_hidden_size // p.tp) * elem_bytes(t.precision)
+
+
+def boundary_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast: bool = False) -> int:
+    """One stage-boundary activation of one micro-batch, s·b·h/(t·c) with SP, /c without; FP32 under
+    autocast, where the stages exchange the residual stream (runner/fake.py ``hidden_meta_dtype``)."""
+    sp = p.sequence_parallel and p.tp > 1
+    elem = 4 if autocast else elem_bytes(t.precision)
+    return elem * t.seq_len * t.micro_batch_size * m.hidden_size // (p.cp * (p.tp if sp else 1))
+
+
+def pipeline_stage_outputs(
+    m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: str, autocast: bool = False
+) -> int:
+    """The stage outputs of the in-flight micro-batches (torch, 1F1B and GPipe): every stage but the
+    last keeps each in-flight micro-batch's output for its backward (``torch.distributed.pipelining``'s
+    forward cache), a tensor no layer saves (the layers count their inputs), one stage boundary
+    (:func:`boundary_bytes`) each.
+
+    Traced (``run.mode=fake``, Llama-2-7B's shapes cut to one layer per stage, s 8192, BF16 under
+    autocast, pp 2/4/8): stage 0 keeps three FP32 (s, h) tensors per in-flight micro-batch — the
+    embedding's output, the layer's second residual, its output — where the layers count two; the
+    engine read 3.3/4.6/5.7 % under there, every paper-grid pp 8 point 1.5-1.9 %. ``tiny`` FP32 shows
+    the same, one per micro-batch; on its pp 4 ranks 1 and 2 this brings the engine from 1.1 and 1.5 %
+    under to 1.0 and 0.5 % over (``scripts/pipeline_ranks.py``). A later stage's first layer saves its
+    receive buffer (a view of it), which :func:`buffers.pp_p2p` counts too; the traces show no excess
+    that would match that double count, and it is left as it is. Interleaved 1F1B spreads a rank's
+    in-flight micro-batches over its virtual stages: not counted."""
+    if engine != "torch" or p.pp == 1 or p.pp_schedule == "interleaved_1f1b" or stage == p.pp - 1:
+        return 0
+    return inflight_chunks(p, t, stage=stage) * boundary_bytes(m, p, t, autocast=autocast)
 
 
 def _last_stage_inflight(p: ParallelSpec, t: TrainSpec) -> int:

@@ -111,15 +111,7 @@ def pp_p2p(
     """
     if p.pp == 1:
         return 0
-    sp = p.sequence_parallel and p.tp > 1
-    # Under autocast the stages exchange the FP32 residual stream (runner/fake.py hidden_meta_dtype).
-    one = (
-        (4 if autocast else elem_bytes(t.precision))
-        * t.seq_len
-        * t.micro_batch_size
-        * m.hidden_size
-        // (p.cp * (p.tp if sp else 1))
-    )
+    one = act.boundary_bytes(m, p, t, autocast=autocast)
     if engine != "torch":
         return one * ((stage > 0) + (stage < p.pp - 1))
     # Every virtual stage this rank holds (global ids stage, stage + pp, …) receives from each neighbour

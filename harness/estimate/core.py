@@ -291,6 +291,7 @@ def _activation_terms(
     if engine == "torch":
         # A block's backward gradients: a peak of their own where no loss buffers come first.
         activations += max(0, act.backward_working_set(m, p, t) - logits - loss)
+        activations += act.pipeline_stage_outputs(m, p, t, stage=stage, engine=engine, autocast=autocast)
     items = (
         ("activations", activations),
         ("token_ids", act.token_ids(p, t, stage=stage, engine=engine)),
