@@ -342,7 +342,12 @@ def _stage(spec: RunSpec, stage: int, engine: str) -> StageEstimate:
         extra = max(0, end - (buffers + activations))
         terms["fsdp_allgather"] += extra
         buffers += extra
-    if engine == "torch" and stage == 0 and p.tp > 1 and (p.dp * p.cp == 1 or p.zero_stage == 0):
+    if (
+        engine == "torch"
+        and stage == 0
+        and p.tp > 1
+        and (p.dp * p.cp == 1 or (p.zero_stage == 0 and p.pp > 1))
+    ):
         states, buffers, step = _replicated_embedding_grad(
             spec, grads, terms, states, buffers, activations, step, fused_norm=fused_norm, autocast=layout[-1]
         )
@@ -361,8 +366,8 @@ def _replicated_embedding_grad(
     fused_norm: bool,
     autocast: bool,
 ) -> tuple[int, int, int]:
-    """Stage 0 under tensor parallelism (torch, d·c = 1, or any d·c without ZeRO): the embedding's
-    gradient is not sharded.
+    """Stage 0 under tensor parallelism (torch, d·c = 1, or under pipelining any d·c without ZeRO):
+    the embedding's gradient is not sharded.
 
     DTensor has no vocabulary-sharded rule for ``embedding_dense_backward``: the row-parallel
     embedding's gradient comes back replicated, the full v·h matrix in FP32 on every tp rank, and
@@ -380,9 +385,11 @@ def _replicated_embedding_grad(
     gets the same whole gradient: traced on the paper grids' 70B points with d·c = 2 (Llama-3-70B,
     tp 4 × pp 8 × cp 2, stage 0: three whole 3.91 GiB FP32 copies among the temporaries at the peak),
     where the engine, which applied this only at d·c = 1, read 11.5 % under. The third copy is not
-    counted here (Llama-3-70B tp 4 × pp 8 with d·c = 2 stays 3.7-5.5 % under). With ZeRO the gradient
-    is reduce-scattered to its shard and nothing of this was traced. Mutates ``terms``; returns
-    (states, buffers, step)."""
+    counted here (Llama-3-70B tp 4 × pp 8 with d·c = 2 stays 3.7-5.5 % under). Real CPU runs agree
+    under pipelining (the CPU study's tp 2 × pp 2 points with d·c = 2: −0.1 to +1.0 %) but not without
+    it: there (tp 2-4 × d·c 2, no pipeline) the measured peaks hold no whole copy, and counting one put
+    the engine up to 9 % over, so it is left out. With ZeRO the gradient is reduce-scattered to its
+    shard and nothing of this was traced. Mutates ``terms``; returns (states, buffers, step)."""
     m, p, t = spec.model, spec.parallel, spec.train
     full = 4 * m.vocab_size * m.hidden_size
     extra = full - 4 * (m.vocab_size * m.hidden_size // p.tp)
