@@ -29,10 +29,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.calibrate import evaluate
-from harness.plots import all_figures, world_of
-from harness.report import layout_label
-from harness.store import load_results
+from harness.analysis.calibrate import evaluate
+from harness.analysis.plots import all_figures, world_of
+from harness.analysis.report import layout_label
+from harness.sweep.store import load_results
 
 try:  # in Jupyter (IPython) tables and figures are shown inline; as a script they are printed
     from IPython import get_ipython

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from harness.cli.config import compose, run_spec
 from harness.runner.supervisor import run_point
-from harness.specs import canonical
+from harness.spec import canonical
 
 
 def torchrun_point(spec, world: int, timeout_s: float) -> float:

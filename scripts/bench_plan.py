@@ -16,8 +16,8 @@ import sys
 import time
 
 from harness.cli.config import compose, run_spec
-from harness.estimate.core import _activation_terms, _state_terms
 from harness.estimate.plan import PlanOptions, plan
+from harness.estimate.stage import _activation_terms, _state_terms
 
 
 def main() -> None:

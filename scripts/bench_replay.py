@@ -1,4 +1,4 @@
-"""Benchmark: events per second of the caching-allocator replay (harness/alloc.py).
+"""Benchmark: events per second of the caching-allocator replay (harness/alloc).
 
 Builds a synthetic trace shaped like a training step (many live activations of a few dozen sizes,
 small temporaries freed at once, a few large buffers; two streams) of ``--events`` events, replays it

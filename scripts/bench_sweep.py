@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 
-from harness.store import load_results
+from harness.sweep.store import load_results
 
 
 def timed_sweep(results_dir: str) -> float:

@@ -6,7 +6,7 @@ peak beside it (``tracker_peak_bytes``, whose categories say what the peak is ma
 for each rank of a single-rank, an FSDP (ZeRO-3), a DDP (ZeRO-0), a DDP + ZeRO-1 and a TP + SP point, and
 the relative difference. Exits 1 if any differs by more than the tolerance (2 %, issue 3). (Runs 1-4 in
 results/runner_checks/cpu_memory_vs_profiler.txt excused DDP's 8.5-9.3 % as buckets "rebuilt out of
-MemTracker's sight": it was the allocator count that was wrong, harness/runner/measure.py
+MemTracker's sight": it was the allocator count that was wrong, harness/runner/measure
 ``start_cpu_accounting``; no difference is excused now.)
 Run: python scripts/check_cpu_memory.py [--tolerance 0.02] [--point NAME ...]
 """

@@ -1,6 +1,6 @@
 """The same points measured twice: measured peaks of two datasets matched by config_id, as ratios
 (first / second), overall and by whether the point has more than one rank. Made to show what the CPU
-instrument's fix (c10's running total counted on every thread, harness/runner/measure.py) changed:
+instrument's fix (c10's running total counted on every thread, harness/runner/measure) changed:
 the second study's rows as committed before the fix against the same points measured after it.
 Run: python scripts/compare_peaks.py OLD.parquet NEW.parquet   (a results_dir works for either)
   e.g. git show 7e971e8:results/cpu_study_v2/dataset.parquet > /tmp/v2_before.parquet
@@ -17,7 +17,7 @@ import pandas as pd
 def _load(path: str) -> pd.DataFrame:
     if path.endswith(".parquet"):
         return pd.read_parquet(path)
-    from harness.store import load_results
+    from harness.sweep.store import load_results
 
     return load_results(path)[0]
 

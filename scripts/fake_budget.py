@@ -27,7 +27,7 @@ import logging
 
 from harness.cli.config import compose, run_spec
 from harness.estimate import TERMS, estimate
-from harness.runner.fake import run_fake
+from harness.runner.fake.run import run_fake
 
 GIB = 2**30
 DEFAULT = [
@@ -93,7 +93,7 @@ def one_rank(spec, rank: int, kernels: str | None) -> None:
     CPU seconds, host memory and peak."""
     import time
 
-    from harness.runner.fake import _preload, _trace_in_child
+    from harness.runner.fake.pool import _preload, _trace_in_child
 
     _preload()
 
@@ -124,8 +124,8 @@ def grid_points(study: str) -> list:
 
     import yaml
 
-    from harness.runner.fake import fake_problems
-    from harness.specs import DeviceSpec, InvalidSpec, ModelSpec, ParallelSpec, RunSpec, TrainSpec, canonical
+    from harness.runner.fake.run import fake_problems
+    from harness.spec import DeviceSpec, InvalidSpec, ModelSpec, ParallelSpec, RunSpec, TrainSpec, canonical
 
     sweeps = Path(__file__).resolve().parents[1] / "sweeps"
 
@@ -165,7 +165,7 @@ def grid(study: str) -> None:
     """Points, traced ranks and blocks × micro-batches per traced rank of a study, by model and layout."""
     from collections import defaultdict
 
-    from harness.runner.fake import traced_ranks
+    from harness.runner.fake.ranks import traced_ranks
 
     points = grid_points(study)
     rows: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0])
@@ -208,7 +208,7 @@ VOLATILE_PREFIXES = ("env_", "fake_host_")
 _COMPARE_CHILD = """
 import json, resource, sys, time
 from harness.cli.config import compose, run_spec
-from harness.runner import fake
+from harness.runner.fake import run as fake
 
 ranks = []
 record = fake.fake_record

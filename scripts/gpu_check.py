@@ -38,7 +38,7 @@ from pathlib import Path
 from harness.alloc import load_trace, replay
 from harness.cli.config import compose, run_spec
 from harness.estimate import estimate
-from harness.runner.fake import run_fake
+from harness.runner.fake.run import run_fake
 from harness.runner.supervisor import run_point
 
 GIB = 2**30
@@ -149,7 +149,7 @@ def step_time_fit(records: list[dict]) -> dict | None:
     import numpy as np
     import pandas as pd
 
-    from harness.calibrate import StepTimeCalibrator, step_time_rows
+    from harness.analysis.steptime import StepTimeCalibrator, step_time_rows
     from harness.estimate.steptime import TERMS as STEP_TIME_TERMS
 
     runs = step_time_rows(pd.DataFrame(records))

@@ -6,7 +6,7 @@ For each results directory (default: results/paper_fake/a100_40gb and h100_94gb)
   (issue 14's goal for the torch engine: at least 95 % of points);
 - the published 80 % rule re-examined: of the points an engine puts below 80 % of the card, how many the
   trace puts over it, at the allocated level (traced peak) and at the reserved level (the trace replayed
-  through the caching-allocator model, harness/alloc.py, with no capacity: the segments an unbounded card
+  through the caching-allocator model, harness/alloc, with no capacity: the segments an unbounded card
   would keep; over capacity there means the allocator must at least release its cache and retry, not
   that the run fails);
 - the torch engine's largest differences, by layout, to be named.
@@ -21,10 +21,10 @@ import sys
 import numpy as np
 import pandas as pd
 
-from harness.calibrate import prepare
+from harness.analysis.calibrate import prepare
+from harness.analysis.report import layout_label
 from harness.estimate import ENGINES
-from harness.report import layout_label
-from harness.store import load_results
+from harness.sweep.store import load_results
 
 DEFAULT = ["results/paper_fake/a100_40gb", "results/paper_fake/h100_94gb"]
 RULE = 0.8

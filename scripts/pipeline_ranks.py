@@ -11,7 +11,9 @@ import sys
 
 from harness.cli.config import compose, run_spec
 from harness.estimate import estimate
-from harness.runner import fake
+from harness.runner.fake.pool import _preload
+from harness.runner.fake.ranks import rank_of
+from harness.runner.fake.trace import trace_rank
 
 BASE = [
     "model=tiny",
@@ -32,12 +34,12 @@ LAYOUTS = [
 
 
 def _trace(spec, rank: int, queue) -> None:
-    queue.put(fake.trace_rank(spec, rank)["peak_allocated_bytes"])
+    queue.put(trace_rank(spec, rank)["peak_allocated_bytes"])
 
 
 def main() -> None:
     extra = sys.argv[1:]
-    fake._preload()
+    _preload()
     ctx = multiprocessing.get_context("fork")  # a fake process group per process, as run_fake does
     print("layout | per pipeline rank: traced B vs engine B (engine error)")
     for layout in LAYOUTS:
@@ -46,7 +48,7 @@ def main() -> None:
         cells = []
         for stage in range(spec.parallel.pp):
             queue = ctx.Queue()
-            proc = ctx.Process(target=_trace, args=(spec, fake.rank_of(spec, stage=stage), queue))
+            proc = ctx.Process(target=_trace, args=(spec, rank_of(spec, stage=stage), queue))
             proc.start()
             traced = queue.get()
             proc.join()

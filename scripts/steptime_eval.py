@@ -23,11 +23,11 @@ import sys
 import numpy as np
 import pandas as pd
 
-from harness.calibrate import StepTimeCalibrator, evaluate_step_time, ranking
+from harness.analysis.steptime import StepTimeCalibrator, evaluate_step_time, ranking
 from harness.estimate.comm import cost
 from harness.estimate.steptime import TERMS
-from harness.specs import from_flat
-from harness.store import load_results
+from harness.spec import from_flat
+from harness.sweep.store import load_results
 
 
 def proxy_step_times(runs: pd.DataFrame) -> np.ndarray:

@@ -1,7 +1,7 @@
 """How much the CUDA streams of a step's allocations move its replayed reserved peak (issue 13 item 2).
 
 Runs one point (a real CPU run, or ``--fake`` a fake one) with its allocation trace recorded, then replays
-each rank's trace through harness/alloc.py twice: with the streams the runner gave each allocation
+each rank's trace through harness/alloc twice: with the streams the runner gave each allocation
 (FSDP2's all-gather copy-in stream 1, reduce-scatter stream 2) and with every allocation on stream 0.
 Prints one line per rank: allocated peak, reserved peak both ways, and the difference.
 Run: python scripts/stream_effect.py model=tiny parallel.dp=2 parallel.zero_stage=3 train.seq_len=512
@@ -22,7 +22,7 @@ MIB = 2**20
 
 def fake_traces(spec) -> list[tuple[str, list[dict]]]:
     """Rank 0's trace of a fake run (the one its sim_* figures replay)."""
-    from harness.runner.fake import trace_rank
+    from harness.runner.fake.trace import trace_rank
 
     return [("fake rank0", trace_rank(spec, 0, keep_trace=True)["trace"])]
 

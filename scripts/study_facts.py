@@ -11,8 +11,8 @@ import sys
 
 import pandas as pd
 
-from harness.calibrate import prepare
-from harness.report import layout_label
+from harness.analysis.calibrate import prepare
+from harness.analysis.report import layout_label
 
 
 def main() -> None:
@@ -20,7 +20,7 @@ def main() -> None:
     if path.endswith(".parquet"):
         f = pd.read_parquet(path)
     else:
-        from harness.store import load_results
+        from harness.sweep.store import load_results
 
         f, _ = load_results(path)
     print(f"{len(f)} rows; run time {f['wall_s'].sum() / 60:.0f} min (sum of wall_s)")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness.specs import DeviceSpec, ModelSpec, ParallelSpec, RunSpec, TrainSpec, canonical
+from harness.spec import DeviceSpec, ModelSpec, ParallelSpec, RunSpec, TrainSpec, canonical
 
 SWEEPS = Path(__file__).resolve().parents[1] / "sweeps"
 
@@ -53,7 +53,7 @@ def tiny() -> RunSpec:
 
 
 # Hypothesis: deterministic in CI (a property that fails, fails on every run, never by chance), and a
-# "deep" profile for searching harder by hand: HYPOTHESIS_PROFILE=deep pytest tests/test_properties.py
+# "deep" profile, to search harder by hand: HYPOTHESIS_PROFILE=deep pytest tests/estimate/test_properties.py
 from hypothesis import settings  # noqa: E402
 
 settings.register_profile("ci", derandomize=True, deadline=None)

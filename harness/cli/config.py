@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from harness.specs import RunSpec, from_dict
+from harness.spec import RunSpec, from_dict
 
 
 def config_dir() -> Path:
@@ -71,7 +71,7 @@ def expand(overrides: Sequence[str]) -> list[str]:
     """The overrides Hydra composes: ``model.hf_config=PATH`` becomes the ``model.*`` fields it reads
     (in its place, so a later ``model.num_layers=`` still wins); ``run.fail_on=oom,crash`` becomes a
     list."""
-    from harness.hf_config import HFConfigError, model_fields
+    from harness.spec.hf_config import HFConfigError, model_fields
 
     out = []
     for o in overrides:

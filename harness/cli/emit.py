@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from harness.specs import RunSpec, config_id
+from harness.spec import RunSpec, config_id
 
 # The fields each layout sets; everything else is shared by the study.
 POINT_FIELDS = {

@@ -1,7 +1,7 @@
 """`harness <command> --help`: what a command does, every key it reads with its value and meaning.
 
 The values come from the composed config tree (with the user's overrides), the meanings from
-:data:`MEANINGS`, one line per key kept here and nowhere else: tests/test_help.py checks that every key
+:data:`MEANINGS`, one line per key kept here and nowhere else: tests/cli/test_help.py checks that every key
 of the composed config has one, so help and config cannot drift apart.
 """
 

@@ -11,8 +11,8 @@ from collections.abc import Callable, Sequence
 
 from harness import __version__
 from harness.cli.config import ConfigError, compose, engine_name, gpu_scale_defaults, run_spec
-from harness.runner.supervisor import Terminated
-from harness.specs import InvalidSpec
+from harness.runner.procs import Terminated
+from harness.spec import InvalidSpec
 
 
 def _output_settings(cfg: dict) -> tuple[str, float]:
@@ -41,7 +41,8 @@ def _output_settings(cfg: dict) -> tuple[str, float]:
 
 
 def _estimate(overrides: Sequence[str]) -> int:
-    from harness.cli.render import JSON_UNITS, estimate_table
+    from harness.cli.render.common import JSON_UNITS
+    from harness.cli.render.estimate import estimate_table
     from harness.estimate import estimate
 
     cfg = _compose_scaled(overrides)
@@ -92,7 +93,7 @@ def _profile(cfg: dict):
     """The calibration profile named by ``calibration=`` (None when unset)."""
     if not cfg.get("calibration"):
         return None
-    from harness.profile import load_profile  # no scikit-learn: applying a profile is arithmetic
+    from harness.analysis.profile import load_profile  # no scikit-learn: applying a profile is arithmetic
 
     profile = load_profile(cfg["calibration"])
     warning = profile.outside(run_spec(cfg))
@@ -111,13 +112,13 @@ def _step_time(cfg: dict):
     """The step-time model of the profile named by ``calibration=`` (None when unset or it has none)."""
     if not cfg.get("calibration"):
         return None
-    from harness.calibrate import load_step_time
+    from harness.analysis.steptime import load_step_time
 
     return load_step_time(cfg["calibration"])
 
 
 def _plan(overrides: Sequence[str]) -> int:
-    from harness.cli.render import plan_json, plan_table
+    from harness.cli.render.plan import plan_json, plan_table
     from harness.estimate.plan import PlanOptions, plan
 
     cfg = _compose_scaled(overrides)
@@ -157,7 +158,7 @@ def _plan(overrides: Sequence[str]) -> int:
 
 def _plan_solve(cfg: dict, opts, fmt: str) -> int:
     """``plan.solve=min_gpus|max_micro_batch|max_seq_len``: a reverse question (harness.estimate.solve)."""
-    from harness.cli.render import solve_json, solve_table
+    from harness.cli.render.plan import solve_json, solve_table
     from harness.estimate import solve as sv
 
     p, question, base = cfg["plan"], cfg["plan"]["solve"], run_spec(cfg)
@@ -203,10 +204,10 @@ def _emit(cfg: dict, specs: list, fmt: str, opts) -> None:
 
 
 def _run(overrides: Sequence[str]) -> int:
-    from harness.cli.render import record_json, record_table
-    from harness.runner.fake import run_configured
-    from harness.specs import spec_id
-    from harness.sweep import run_artifacts, run_timeout, slurm_task
+    from harness.cli.render.run import record_json, record_table
+    from harness.runner.fake.run import run_configured
+    from harness.spec import spec_id
+    from harness.sweep.launch import run_artifacts, run_timeout, slurm_task
 
     cfg = compose(overrides)
     fmt, _ = _output_settings(cfg)
@@ -228,7 +229,7 @@ def _run(overrides: Sequence[str]) -> int:
 
 def fail_statuses(value) -> frozenset[str]:
     """``run.fail_on``: null, a status, ``oom,crash`` or a list; each a recorded status."""
-    from harness.record import STATUSES
+    from harness.runner.record import STATUSES
 
     if value is None:
         return frozenset()
@@ -250,8 +251,8 @@ def _sweep(overrides: Sequence[str]) -> int:
 
 def _results(args: Sequence[str]) -> int:
     """`harness results status|compact [results_dir=DIR]`."""
-    from harness.store import compact, load_results, status_counts
-    from harness.sweep import leftover_points, what_is_left
+    from harness.sweep.progress import leftover_points, what_is_left
+    from harness.sweep.store import compact, load_results, status_counts
 
     action = args[0] if args and "=" not in args[0] else "status"
     opts = dict(a.split("=", 1) for a in args if "=" in a)
@@ -281,8 +282,9 @@ def _results(args: Sequence[str]) -> int:
 
 
 def _calibrate(overrides: Sequence[str]) -> int:
-    from harness.calibrate import evaluate, evaluate_step_time, profile_of, save_profile, step_time_section
-    from harness.cli.render import calibration_table, step_time_table
+    from harness.analysis.calibrate import evaluate, profile_of, save_profile
+    from harness.analysis.steptime import evaluate_step_time, step_time_section
+    from harness.cli.render.calibrate import calibration_table, step_time_table
 
     cfg = compose(overrides)
     fmt, _ = _output_settings(cfg)
@@ -309,7 +311,7 @@ def _calibrate(overrides: Sequence[str]) -> int:
 
 
 def _report(overrides: Sequence[str]) -> int:
-    from harness.report import write_report
+    from harness.analysis.report import write_report
 
     cfg = compose(overrides)
     root = str(cfg["results_dir"])
@@ -335,7 +337,7 @@ def _load(root: str):
     """The runs of ``root`` (unreadable files named on stderr); a missing or empty directory is an error."""
     from pathlib import Path
 
-    from harness.store import load_results
+    from harness.sweep.store import load_results
 
     if not Path(root).is_dir():
         raise ValueError(f"results_dir={root} is not a directory")

@@ -54,7 +54,7 @@ def replay_command(overrides: Sequence[str]) -> int:
 
 
 def replay_table(result) -> str:
-    from harness.cli.render import human as human_bytes
+    from harness.cli.render.common import human as human_bytes
 
     lines = [
         f"events replayed:      {result.num_events}",

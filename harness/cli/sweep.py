@@ -46,7 +46,7 @@ def sweep(overrides: Sequence[str]) -> int:
     from omegaconf import OmegaConf
 
     from harness.cli.config import config_dir
-    from harness.sweep import run_job
+    from harness.sweep.launch import run_job
 
     @hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
     def task(cfg) -> str:

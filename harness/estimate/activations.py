@@ -35,7 +35,7 @@ Sharding by tensor (t) and context (c) parallelism:
 
 from __future__ import annotations
 
-from harness.specs import ModelSpec, ParallelSpec, TrainSpec
+from harness.spec import ModelSpec, ParallelSpec, TrainSpec
 
 
 def elem_bytes(precision: str) -> int:
@@ -55,7 +55,7 @@ def norm_tensors(engine: str, *, fused_norm: bool = False) -> int:
     """Tensors of s·b·h one RMSNorm keeps per norm, twice per layer: the input (megatron), the input
     and the normalised output (torch on CPU: the composite ``F.rms_norm``'s autograd saves both). On a
     GPU (``fused_norm``) ``F.rms_norm`` runs CUDA's fused ``_fused_rms_norm``, which keeps the input
-    and an FP32 1/rms per row only (harness/runner/fake_kernels.py 1): the input, as megatron's."""
+    and an FP32 1/rms per row only (harness/runner/fake/kernels.py 1): the input, as megatron's."""
     return 4 if engine == "torch" and not fused_norm else 2
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from harness.estimate import activations as act
 from harness.estimate.activations import elem_bytes
 from harness.estimate.params import layer_params, non_layer_params, stage_params
-from harness.specs import ModelSpec, ParallelSpec, TrainSpec
+from harness.spec import ModelSpec, ParallelSpec, TrainSpec
 
 
 def fsdp_allgather(

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from harness.estimate.activations import elem_bytes
 from harness.estimate.flops import hardware_flops_per_step, model_flops_per_step
 from harness.estimate.params import stage_params
-from harness.specs import RunSpec
+from harness.spec import RunSpec
 
 
 @dataclass(frozen=True)

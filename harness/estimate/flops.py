@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from harness.specs import RunSpec
+from harness.spec import RunSpec
 
 FLOPS_CONVENTIONS = ("megatron", "megatron_causal")
 

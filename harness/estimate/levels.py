@@ -12,7 +12,7 @@ runs out of memory when the device level reaches the capacity. Every constant is
 
 from __future__ import annotations
 
-from harness.specs import RunSpec
+from harness.spec import RunSpec
 
 MIB = 1 << 20
 RESERVED_TERMS = ("segment_rounding", "cublas_workspace")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from harness.specs import ModelSpec, ParallelSpec, TrainSpec
+from harness.spec import ModelSpec, ParallelSpec, TrainSpec
 
 IGNORED_FIELDS = (
     "parallel.zero_stage",

@@ -8,7 +8,7 @@ norm weights are replicated. Stage 0 holds the embedding, the last stage the fin
 
 from __future__ import annotations
 
-from harness.specs import ModelSpec
+from harness.spec import ModelSpec
 
 
 def layer_matrix_params(m: ModelSpec) -> int:

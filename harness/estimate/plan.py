@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.estimate.comm import Cost, cost
-from harness.estimate.core import ENGINES, Estimate, dominant_stages, estimate_canonical
+from harness.estimate.core import Estimate, estimate_canonical
 from harness.estimate.levels import verdict_bytes
-from harness.specs import (
+from harness.estimate.peaks import dominant_stages
+from harness.estimate.terms import ENGINES
+from harness.spec import (
     PP_SCHEDULES,
     RECOMPUTE,
     InvalidSpec,
@@ -41,7 +43,7 @@ class PlanOptions:
     max_tp: int = 8
     threshold: float = 0.8
     engine: str = "torch"
-    # A calibration profile (harness.calibrate.Profile, or any object with total_bytes(Estimate) -> int):
+    # A profile (harness.analysis.profile.Profile, or any object with total_bytes(Estimate) -> int):
     # when set, whether a layout fits is judged on its calibrated peak.
     calibration: Any = None
     # A fitted step-time model (harness.estimate.steptime.StepTimeModel, a calibration profile's

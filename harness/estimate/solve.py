@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from harness.estimate.core import estimate
 from harness.estimate.levels import verdict_bytes
 from harness.estimate.plan import PlanOptions, PlanResult, PlanRow, plan
-from harness.specs import RunSpec, canonical
+from harness.spec import RunSpec, canonical
 
 QUESTIONS = ("min_gpus", "max_micro_batch", "max_seq_len")
 SEQ_GRANULE = 128  # max_seq_len answers in multiples of 128 tokens (and of what the layout needs)

@@ -10,7 +10,7 @@ pads the first dimension to a multiple of the group size.
 from __future__ import annotations
 
 from harness.estimate.activations import elem_bytes, inflight_chunks
-from harness.specs import ParallelSpec, TrainSpec
+from harness.spec import ParallelSpec, TrainSpec
 
 
 def _shard(n_bytes: int, shards: int) -> int:

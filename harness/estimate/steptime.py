@@ -39,7 +39,7 @@ from harness.estimate.activations import elem_bytes, layer_activation_bytes, rec
 from harness.estimate.comm import bubble_fraction, cost
 from harness.estimate.flops import model_flops_per_step
 from harness.estimate.params import layer_matrix_params, stage_params
-from harness.specs import DeviceSpec, RunSpec
+from harness.spec import DeviceSpec, RunSpec
 
 TERMS = (
     "compute",

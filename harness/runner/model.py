@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
-from harness.specs import ModelSpec
+from harness.spec import ModelSpec
 
 # train.attention → the SDPA backends allowed. Without a choice SDPA picks a fused kernel on its own, and
 # ``math`` runs never ran the math kernel (issue 15). ``flash`` allows the fused kernels, none of which

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from harness.runner.worker import run_rank
-from harness.specs import from_dict
+from harness.spec import from_dict
 
 
 def main() -> None:

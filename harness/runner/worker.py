@@ -21,18 +21,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness.runner.measure import (
-    PeakMemory,
-    cpu_peak_tflops,
-    start_cpu_accounting,
-    start_cuda_history,
-    stop_cpu_accounting,
-)
+from harness.runner.measure.cpu import start_cpu_accounting, stop_cpu_accounting
+from harness.runner.measure.peak import PeakMemory, cpu_peak_tflops, start_cuda_history
 from harness.runner.model import Llama
 from harness.runner.parallel.compose import MESH_DIMS, parallelize, train_step
 from harness.runner.parallel.context import shard_sequence
-from harness.runner.supervisor import write_json
-from harness.specs import RunSpec, spec_id
+from harness.runner.procs import write_json
+from harness.spec import RunSpec, spec_id
 
 WARMUP_STEPS = 1  # AdamW's state appears at the first optimizer.step(): measure from the second step on
 DATA_SEED = 1234

@@ -13,7 +13,7 @@ each job can print the sweep's progress.
 With ``sweep.ranks_per_node`` set and a launcher that places jobs on nodes (``submitit_slurm``), each
 point asks for ``ceil(world / ranks_per_node)`` nodes: points are batched by that count and the
 launcher's ``nodes`` is set for each batch (Hydra's launcher parameters are otherwise one value for
-the whole sweep). Each node's task then forks its block of the point's ranks (harness.sweep.run_job).
+the whole sweep). Each node's task then forks its block of the point's ranks (harness.sweep.launch.run_job).
 
 A study that is not one cartesian product lists several under ``hydra.sweeper.grids``: each grid's
 keys are combined with ``params`` (a grid's value wins over params for the same key, the command line
@@ -51,13 +51,13 @@ class HarnessSweeper(BasicSweeper):
         self.grids = grids
         self.arguments: list[str] = []
         self.nodes: dict[tuple[str, ...], int | None] = {}  # a launched point -> its node count
-        self.token = ""  # this sweep's claims (harness.claims)
+        self.token = ""  # this sweep's claims (harness.sweep.claims)
         self.results_dir: str | None = None
         self.planned: list[str] = []
 
     def sweep(self, arguments):
-        from harness import claims
-        from harness.sweep import closing_summary
+        from harness.sweep import claims
+        from harness.sweep.progress import closing_summary
 
         self.arguments = list(arguments)
         self.token = claims.new_token()
@@ -84,7 +84,8 @@ class HarnessSweeper(BasicSweeper):
             raise SystemExit(f"harness sweep: error: {exc.strerror or exc}: {exc.filename or ''}") from None
 
     def _split_arguments(self, overrides, max_batch_size):
-        from harness.sweep import check_writable, nodes_for, point_id, start_progress, triage
+        from harness.sweep.launch import check_writable, nodes_for, point_id, triage
+        from harness.sweep.progress import start_progress
 
         points = [
             p for o in self._grid_overrides(overrides) for p in BasicSweeper.split_arguments(o, None)[0]

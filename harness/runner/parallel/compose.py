@@ -22,11 +22,11 @@ from harness.runner.parallel.data import apply_ddp, apply_fsdp, apply_replicate,
 from harness.runner.parallel.pipeline import build_schedule, split_stage, stage_ids
 from harness.runner.parallel.recompute import apply_recompute
 from harness.runner.parallel.tensor import apply_tp
-from harness.specs import RunSpec
+from harness.spec import RunSpec
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")
 LEARNING_RATE = 1e-3
-ADAM_EPS = 1e-8  # the correctness tests raise it: see tests/test_runner_parallel.py
+ADAM_EPS = 1e-8  # the correctness tests raise it: see tests/runner/test_runner_parallel.py
 
 
 @dataclass

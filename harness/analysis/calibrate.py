@@ -1,0 +1,317 @@
+"""Calibration: fit correction coefficients onto the analytical estimator's named terms, cross-validated
+on held-out layouts, and judge every estimator (paper, megatron, torch raw, calibrated) the same way.
+
+The fit reads as "activations x 1.07 + logits x 1.31 + ... + 12 MiB": one non-negative coefficient per
+term of the estimator's peak (ESTIMATOR.md section 4: the temporary buffers are the terms calibration is
+for), plus a constant, fitted by least squares on the *relative* error (each run weighted by
+1/measured^2), because users read errors as percentages and peaks span two orders of magnitude. Where
+runs report a reserved peak (measured on CUDA, or replayed from a CPU run's trace), a second fit adds
+the fragmentation (harness/analysis/fragmentation.py), judged held out at the reserved level.
+
+No torch here; scikit-learn for the regression and the grouped folds.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from sklearn.base import BaseEstimator, RegressorMixin
+from sklearn.linear_model import LinearRegression
+from sklearn.model_selection import GroupKFold
+from sklearn.utils.validation import check_is_fitted
+
+from harness import __version__
+from harness.analysis import fragmentation as frag
+from harness.analysis.profile import (
+    ENGINES_COMPARED,
+    PROFILE_FORMAT,
+    PROFILE_VERSION,
+    CalibrationError,
+    fitted_on,
+    peak_terms,
+)
+from harness.estimate import TERMS, estimate
+from harness.spec import InvalidSpec, RunSpec, from_flat
+
+ESTIMATORS = (*ENGINES_COMPARED, "calibrated")
+GROUPINGS = ("world", "model", "layout")
+MIB = 2**20
+PAPER_THRESHOLD = 0.8  # Fujii et al. 2024: below 80 % estimated utilisation no run ran out of memory
+
+
+class MemoryCalibrator(RegressorMixin, BaseEstimator):
+    """``peak ~ sum_k coef_k * term_k + constant``, all coefficients >= 0 (a scikit-learn regressor).
+
+    ``X``: a DataFrame whose columns include ``features`` (bytes of each named term), ``y``: measured
+    peak bytes. The loss is the squared (relative, by default) error plus ``alpha`` x n_samples x
+    sum_k (coef_k - 1)^2: a prior that each term is what the estimator says. Without it, terms that
+    grow together (token ids and activations both scale with s x b) trade places and a fit reads
+    "token_ids x 631, activations x 0", right on these runs and wrong on the next. A feature that is
+    zero in every training run keeps coefficient 1, the analytical value, and is listed in
+    ``unfitted_`` (a CPU FP32 study says nothing about BF16 parameter copies: applied on a GPU, the
+    profile keeps that term as the estimator computes it).
+    """
+
+    def __init__(
+        self,
+        features: tuple[str, ...] = TERMS,
+        *,
+        alpha: float = 1e-4,
+        relative: bool = True,
+        constant: bool = True,
+    ):
+        self.features = features
+        self.alpha = alpha
+        self.relative = relative
+        self.constant = constant
+
+    def _matrix(self, X) -> np.ndarray:
+        if isinstance(X, pd.DataFrame):
+            missing = [f for f in self.features if f not in X.columns]
+            if missing:
+                raise CalibrationError(f"X lacks feature columns {missing}")
+            return X[list(self.features)].to_numpy(dtype=float)
+        X = np.asarray(X, dtype=float)
+        if X.ndim != 2 or X.shape[1] != len(self.features):
+            raise CalibrationError(f"X must have {len(self.features)} columns ({', '.join(self.features)})")
+        return X
+
+    def fit(self, X, y, sample_weight=None) -> MemoryCalibrator:
+        A = self._matrix(X) / MIB  # MiB keeps the least-squares problem well scaled
+        y = np.asarray(y, dtype=float) / MIB
+        if len(y) == 0:
+            raise CalibrationError("no measured runs to fit")
+        fitted = np.abs(A).sum(axis=0) > 0
+        self.unfitted_ = tuple(f for f, ok in zip(self.features, fitted, strict=True) if not ok)
+        weight = np.ones_like(y) if sample_weight is None else np.asarray(sample_weight, dtype=float)
+        if self.relative:
+            weight = weight / np.maximum(y, 1e-9) ** 2
+        design = A[:, fitted]
+        k = design.shape[1]
+        prior = np.eye(k)  # one row per coefficient: residual (1 - coef_k), weight alpha x n
+        target = np.concatenate([y, np.ones(k)])
+        weight = np.concatenate([weight, np.full(k, self.alpha * len(y))])
+        design = np.vstack([design, prior])
+        if self.constant:  # no prior on the constant
+            design = np.column_stack([design, np.r_[np.ones(len(y)), np.zeros(k)]])
+        reg = LinearRegression(fit_intercept=False, positive=True).fit(design, target, sample_weight=weight)
+        coef = np.ones(len(self.features))
+        coef[fitted] = reg.coef_[:k]
+        self.coef_ = coef
+        self.constant_bytes_ = float(reg.coef_[-1] * MIB) if self.constant else 0.0
+        self.n_fit_ = len(y)
+        return self
+
+    def predict(self, X) -> np.ndarray:
+        check_is_fitted(self, "coef_")
+        return self._matrix(X) @ self.coef_ + self.constant_bytes_
+
+    def describe(self) -> str:
+        """The fit as one readable line: ``activations x 1.07 + logits x 1.31 + 12.0 MiB``."""
+        check_is_fitted(self, "coef_")
+        parts = [
+            f"{name} x {c:.3f}" + (" (unfitted)" if name in self.unfitted_ else "")
+            for name, c in zip(self.features, self.coef_, strict=True)
+            if c > 0 or name in self.unfitted_
+        ]
+        return " + ".join([*parts, f"{self.constant_bytes_ / MIB:.1f} MiB"])
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+
+@dataclass
+class Dataset:
+    """A results frame prepared for calibration: the runs with a known outcome, their specs' terms
+    for each engine, and which of them have a measured peak to fit."""
+
+    frame: pd.DataFrame  # the runs (status ok or oom), index 0..n-1
+    terms: dict[str, pd.DataFrame]  # engine -> peak terms (bytes) per run, one column per TERMS
+    raw_bytes: dict[str, np.ndarray]  # engine -> the engine's own estimate (max over stages)
+    specs: list[RunSpec]
+
+    @property
+    def measured(self) -> np.ndarray:
+        """Rows whose measured peak is the run's whole peak: ok runs, and simulated or fake out-of-memory
+        runs (the CPU step, or the fake trace, completes and its peak is kept); a real CUDA OOM stops
+        mid-step."""
+        f = self.frame
+        complete = (f["status"] == "ok") | f.get("oom_source", pd.Series(None, index=f.index)).isin(
+            ["simulated", "fake"]
+        )
+        return (complete & f["peak_allocated_bytes"].notna() & (f["peak_allocated_bytes"] > 0)).to_numpy()
+
+    @property
+    def capacity(self) -> np.ndarray:
+        return np.array([s.device.memory_bytes for s in self.specs], dtype=float)
+
+    @property
+    def oom(self) -> np.ndarray:
+        return (self.frame["status"] == "oom").to_numpy()
+
+
+def prepare(frame: pd.DataFrame) -> Dataset:
+    """Keep the runs whose outcome says something about memory (ok, oom) and compute every engine's
+    terms for each run's spec (from the spec columns, so an improved estimator needs no rerun)."""
+    runs = frame[frame["status"].isin(["ok", "oom"])].reset_index(drop=True)
+    if "config_id" in runs:
+        runs = runs.sort_values("config_id", kind="stable").reset_index(drop=True)
+    specs, bad = [], []
+    for i, row in runs.iterrows():
+        try:
+            specs.append(from_flat(row.to_dict()))
+        except (InvalidSpec, KeyError, TypeError, ValueError) as exc:
+            bad.append(f"row {i} ({row.get('config_id')}): {exc}")
+    if bad:
+        raise CalibrationError("cannot rebuild the spec of some runs: " + "; ".join(bad[:3]))
+    terms, raw = {}, {}
+    for engine in ENGINES_COMPARED:
+        ests = [estimate(s, engine=engine) for s in specs]
+        terms[engine] = pd.DataFrame([peak_terms(e.worst.terms) for e in ests], columns=list(TERMS))
+        raw[engine] = np.array([e.total_bytes for e in ests], dtype=float)
+    return Dataset(runs, terms, raw, specs)
+
+
+def groups_of(data: Dataset, group_by: str) -> np.ndarray:
+    """The cross-validation group of each run: held-out runs are new world sizes, models or layouts."""
+    if group_by not in GROUPINGS:
+        raise CalibrationError(f"group_by={group_by!r} must be one of {', '.join(GROUPINGS)}")
+    if group_by == "world":
+        return np.array([s.parallel.world for s in data.specs])
+    if group_by == "model":
+        return np.array([json.dumps([s.model.hidden_size, s.model.num_layers]) for s in data.specs])
+    return np.array([f"{s.parallel.tp}-{s.parallel.pp}-{s.parallel.cp}" for s in data.specs])
+
+
+# ----------------------------------------------------------------------------------------- evaluation
+
+
+@dataclass
+class Evaluation:
+    """Held-out predictions of every estimator, their accuracy, and the calibrator fitted on all runs."""
+
+    data: Dataset
+    engine: str
+    group_by: str
+    predictions: dict[str, np.ndarray]  # estimator -> predicted peak bytes per run (calibrated: held-out)
+    metrics: dict[str, dict[str, Any]]
+    model: MemoryCalibrator  # fitted on every measured run: the profile
+    fold_coefs: np.ndarray  # (folds, features): the spread of coefficients across folds
+    fragmentation: dict[str, float] | None
+
+
+def evaluate(frame: pd.DataFrame, *, engine: str = "torch", group_by: str = "world") -> Evaluation:
+    """Fit and judge: the calibrated estimator's predictions are made by a model that never saw the
+    run's group (GroupKFold); the raw engines need no fit and are judged on the same runs."""
+    if engine not in ENGINES_COMPARED:
+        raise CalibrationError(f"engine={engine!r} must be one of {', '.join(ENGINES_COMPARED)}")
+    data = prepare(frame)
+    measured = data.measured
+    if measured.sum() < 3:
+        raise CalibrationError(f"{int(measured.sum())} runs with a measured peak: at least 3 are needed")
+    X, y = data.terms[engine], data.frame["peak_allocated_bytes"].to_numpy(dtype=float)
+    groups = groups_of(data, group_by)
+    n_groups = len(set(groups[measured]))
+    if n_groups < 2:
+        raise CalibrationError(
+            f"group_by={group_by}: every measured run is in one group ({groups[measured][0]}), so no run "
+            "can be held out; choose another grouping"
+        )
+    held_out = np.full(len(y), np.nan)
+    coefs = []
+    for train, test in GroupKFold(n_splits=min(5, n_groups)).split(X, y, groups):
+        fit_rows = train[measured[train]]
+        model = MemoryCalibrator().fit(X.iloc[fit_rows], y[fit_rows])
+        coefs.append(model.coef_)
+        # a group with no measured run (all real OOMs) is predicted by the folds that hold it out
+        held_out[test] = model.predict(X.iloc[test])
+    unseen = np.isnan(held_out)  # groups that GroupKFold never held out (cannot happen with >=2 groups)
+    if unseen.any():
+        raise CalibrationError(f"{int(unseen.sum())} runs were never held out")
+    final = MemoryCalibrator().fit(X[measured], y[measured])
+    predictions = {name: data.raw_bytes[name] for name in ENGINES_COMPARED}
+    predictions["calibrated"] = held_out
+    metrics = {name: accuracy(data, predictions[name]) for name in ESTIMATORS}
+    reserved = frag.evaluate_reserved(
+        data.frame, X, held_out, measured=measured, groups=groups, capacity=data.capacity
+    )
+    fragmentation = None
+    if reserved is not None:
+        fragmentation = reserved.model.as_profile(target=reserved.target, metrics=reserved.metrics)
+        predictions["calibrated_reserved"] = reserved.predicted
+    return Evaluation(data, engine, group_by, predictions, metrics, final, np.array(coefs), fragmentation)
+
+
+def accuracy(data: Dataset, predicted: np.ndarray) -> dict[str, Any]:
+    """Errors on measured runs and the out-of-memory verdicts on every run.
+
+    ``ape``: |predicted - measured| / measured. ``max_under_prediction``: the largest
+    (measured - predicted) / measured (positive: the estimator said less than the run used).
+    ``safe_threshold``: the largest utilisation (predicted / capacity) below which no run ran out of
+    memory (the paper's rule, measured); None when no run ran out of memory. ``excluded_at_safe``: runs
+    that did fit but sit at or above it. At the paper's 80 %: runs that ran out of memory below it
+    (the rule broken) and runs that fit above it (excluded for nothing).
+    """
+    m = data.measured
+    y = data.frame["peak_allocated_bytes"].to_numpy(dtype=float)
+    err = (predicted[m] - y[m]) / y[m]
+    util = predicted / data.capacity
+    oom, ok = data.oom, ~data.oom
+    return {
+        "runs": len(y),
+        "measured_runs": int(m.sum()),
+        **frag.held_out_figures(err, util, ran_out=oom, fitted=ok),
+        "oom_below_paper_threshold": int((oom & (util <= PAPER_THRESHOLD)).sum()),
+        "excluded_at_paper_threshold": int((ok & (util > PAPER_THRESHOLD)).sum()),
+    }
+
+
+# ------------------------------------------------------------------------------------------- profiles
+
+
+def profile_of(ev: Evaluation, *, results_dir: str) -> dict[str, Any]:
+    """The versioned profile: coefficients by feature name, what they were fitted on, how good they are."""
+    model, data = ev.model, ev.data
+    ids = data.frame.loc[data.measured, "config_id"].tolist() if "config_id" in data.frame else []
+    return {
+        "format": PROFILE_FORMAT,
+        "version": PROFILE_VERSION,
+        "harness_version": __version__,
+        "engine": ev.engine,
+        "target": "peak_allocated_bytes",
+        "features": list(model.features),
+        "coefficients": {f: round(float(c), 6) for f, c in zip(model.features, model.coef_, strict=True)},
+        "unfitted": list(model.unfitted_),
+        "constant_bytes": round(model.constant_bytes_),
+        "fragmentation": ev.fragmentation,
+        "summary": model.describe(),
+        "fitted_on": {
+            "results_dir": results_dir,
+            "count": len(ids),
+            "config_ids": sorted(ids),
+            **fitted_on(
+                [s for s, m in zip(data.specs, data.measured, strict=True) if m], _torch_versions(data)
+            ),
+        },
+        "cross_validation": {"group_by": ev.group_by, "folds": len(ev.fold_coefs)},
+        "metrics": ev.metrics,
+    }
+
+
+def save_profile(profile: dict[str, Any], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(profile, indent=1, sort_keys=False) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def _torch_versions(data: Dataset) -> list[str]:
+    column = data.frame.get("env_torch_version")
+    return [] if column is None else sorted({str(v) for v in column.dropna()})

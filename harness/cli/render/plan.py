@@ -1,0 +1,248 @@
+"""``harness plan``'s tables and JSON: the ranked layouts, and the reverse questions' answers (plan.solve)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from harness.cli.render.common import JSON_UNITS, _legend, human, layout_line, recompute_label, train_line
+from harness.estimate.plan import PlanOptions, PlanResult, PlanRow
+from harness.spec import config_id
+
+PLAN_LEGEND = (
+    "mbs micro-batch size; m micro-batches per step; sched 1f1b, gpipe or int1f1b/v (interleaved 1F1B, "
+    "v virtual stages); memory the predicted peak of the most-loaded rank; util that peak / capacity; "
+    "bubble pipeline idle time / useful time; comm bytes each device sends per step; step s the "
+    "ranking proxy"
+)
+
+
+def _row_fields(row: PlanRow) -> dict[str, Any]:
+    spec, c = row.estimate.spec, row.cost
+    p, t = spec.parallel, spec.train
+    return {
+        "config_id": config_id(spec),
+        "parallel_dp": p.dp,
+        "parallel_tp": p.tp,
+        "parallel_pp": p.pp,
+        "parallel_cp": p.cp,
+        "parallel_zero_stage": p.zero_stage,
+        "parallel_sequence_parallel": p.sequence_parallel,
+        "parallel_pp_schedule": p.pp_schedule,
+        "parallel_virtual_stages": p.virtual_stages,
+        "train_micro_batch_size": t.micro_batch_size,
+        "train_num_microbatches": t.num_microbatches,
+        "train_recompute": t.recompute,
+        "train_recompute_every": t.recompute_every,
+        "train_recompute_method": t.recompute_method,
+        "total_bytes": row.estimate.total_bytes,
+        "calibrated_bytes": row.calibrated_bytes,
+        "device_total_bytes": row.predicted_bytes,
+        "worst_stage": row.estimate.worst.stage,
+        "utilisation": row.utilisation,
+        "fits": row.fits,
+        "bubble": c.bubble,
+        "comm_bytes": round(c.comm_bytes),
+        "step_time_proxy_s": None if math.isnan(c.step_time_s) else c.step_time_s,
+        "predicted_step_time_s": row.predicted_step_time_s,
+        "predicted_tflops_per_device": row.predicted_tflops_per_device,
+    }
+
+
+def plan_json(result: PlanResult, opts: PlanOptions) -> dict[str, Any]:
+    return {
+        "gpus": opts.gpus,
+        "engine": opts.engine,
+        "threshold": opts.threshold,
+        "considered": result.considered,
+        "invalid": result.invalid,
+        "valid": len(result.rows),
+        "fitting": len(result.fitting),
+        "layouts": [_row_fields(r) for r in result.fitting],
+        "units": JSON_UNITS,
+    }
+
+
+def plan_table(result: PlanResult, opts: PlanOptions, *, top: int, explain: bool = False) -> str:
+    first = result.rows[0].estimate.spec if result.rows else None
+    lines = []
+    if first is not None:
+        t = first.train
+        lines.append(
+            f"{first.model.name} on {opts.gpus} × {first.device.name}, engine {opts.engine}, "
+            f"seq {t.seq_len}, "
+            f"global batch {first.global_batch_size}, {t.precision}"
+        )
+    lines.append(
+        f"{result.considered} layouts considered, {result.invalid} impossible, {len(result.rows)} valid, "
+        f"{len(result.fitting)} fit under {opts.threshold:.0%} of device memory"
+        + (f" (calibrated: {opts.calibration.path})" if opts.calibration is not None else "")
+    )
+    if not result.fitting:
+        if result.rows:
+            best = min(result.rows, key=lambda r: r.predicted_bytes)
+            lines.append(
+                f"nothing fits; the smallest needs {human(best.predicted_bytes)} "
+                f"({best.utilisation:.0%} utilisation): {layout_line(best.estimate.spec)}"
+            )
+        return "\n".join(lines)
+    fitted = result.fitting[0].predicted_step_time_s is not None
+    has_time = fitted or not math.isnan(result.fitting[0].cost.step_time_s)
+    rank_by = (
+        "the fitted step time (calibration's step_time section)"
+        if fitted
+        else "step-time proxy (compute at peak + bubble + unoverlapped comm)"
+        if has_time
+        else (
+            "compute overhead (recomputation × bubble), then communication volume (no peak/link figures for "
+            "this device)"
+        )
+    )
+    lines += [f"ranked by {rank_by}; top {min(top, len(result.fitting))}:"]
+    timer = opts.step_time
+    if fitted and timer.precisions and first.train.precision not in timer.precisions:
+        lines.append(
+            f"note: the step-time profile was fitted on {', '.join(timer.precisions)} runs, this plan is "
+            f"{first.train.precision}: its compute efficiency is carried over unchecked"
+        )
+    if fitted and timer.unfitted:
+        lines.append(
+            f"note: the step-time profile had no run with {', '.join(timer.unfitted)}: layouts that need "
+            "them are ranked without that cost"
+        )
+    if opts.step_time is not None and not fitted:
+        lines.append(
+            f"note: the step-time profile was fitted on device {timer.device}, not {first.device.name}: "
+            "ranked by the proxy instead"
+        )
+    lines.append("")
+    header = (
+        f"{'#':>3} {'dp':>5} {'tp':>3} {'pp':>3} {'cp':>4} {'zero':>4} {'sched':>10} {'mbs':>4} {'m':>5} "
+    )
+    header += f"{'recomp':>13} {'memory':>10} {'util':>6} {'bubble':>7} {'comm':>10}"
+    header += f" {'step s':>8}" if has_time else ""
+    header += f" {'TFLOP/s':>8}" if fitted else ""
+    lines.append(header)
+    for i, row in enumerate(result.fitting[:top], 1):
+        spec, c = row.estimate.spec, row.cost
+        p, t = spec.parallel, spec.train
+        sched = (
+            "-" if p.pp == 1 else (p.pp_schedule.replace("interleaved_1f1b", f"int1f1b/{p.virtual_stages}"))
+        )
+        line = (
+            f"{i:>3} {p.dp:>5} {p.tp:>3} {p.pp:>3} {p.cp:>4} {p.zero_stage:>4} {sched:>10} "
+            f"{t.micro_batch_size:>4} {t.num_microbatches:>5} "
+            f"{recompute_label(t.recompute, t.recompute_every, t.recompute_method):>13} "
+            f"{human(row.predicted_bytes):>10} {row.utilisation:>6.1%} {c.bubble:>7.1%} "
+            f"{human(c.comm_bytes):>10}"
+        )
+        if fitted:
+            tflops = row.predicted_tflops_per_device
+            line += f" {row.predicted_step_time_s:>8.3f} {'-' if tflops is None else f'{tflops:.3g}':>8}"
+        elif has_time:
+            line += f" {c.step_time_s:>8.3f}"
+        lines.append(line)
+    short = PLAN_LEGEND.split("; memory")[0] + "; explain=true: every column"
+    lines += ["", *_legend(PLAN_LEGEND if explain else short)]
+    return "\n".join(lines)
+
+
+SOLVE_WHAT = {
+    "min_gpus": "fewest devices on which a layout fits",
+    "max_micro_batch": "largest micro-batch that fits",
+    "max_seq_len": "longest sequence that fits",
+}
+
+
+def _verdict(row: PlanRow) -> str:
+    return f"{human(row.predicted_bytes)} = {row.utilisation:.2%} utilisation"
+
+
+def solve_table(solution, opts: PlanOptions, *, top: int, explain: bool = False) -> str:
+    """``plan plan.solve=...``: the answer, the estimate at it and at the first value past it."""
+    q = solution.question
+    shown = solution.best or solution.over
+    lines = []
+    if shown is not None:
+        spec = shown.estimate.spec
+        lines.append(
+            f"{spec.model.name} on {spec.device.name}, engine {opts.engine}, threshold {opts.threshold:.0%}"
+            + (f" (calibrated: {opts.calibration.path})" if opts.calibration is not None else "")
+        )
+        if q != "min_gpus":
+            lines += [f"layout  {layout_line(spec)}", f"train   {train_line(spec)}"]
+    tried = ", ".join(map(str, solution.tried))
+    if solution.answer is None:
+        why = {
+            "min_gpus": f"no layout fits on any of {tried} devices (plan.max_gpus to try more)",
+            "max_micro_batch": f"not even micro-batch 1 fits: {_verdict(solution.over)}",
+            "max_seq_len": f"not even {solution.tried[0]} tokens fit: {_verdict(solution.over)}"
+            if solution.over
+            else "",
+        }[q]
+        lines.append(f"{SOLVE_WHAT[q]}: none; {why}")
+        return "\n".join(lines)
+    if q == "min_gpus":
+        spec = solution.best.estimate.spec
+        per_node = spec.device.gpus_per_node
+        nodes = -(-solution.answer // per_node)
+        lines += [
+            f"{SOLVE_WHAT[q]}: {solution.answer} ({nodes} node{'s' * (nodes > 1)} of {per_node}); "
+            f"tried {tried}",
+            "",
+            plan_table(
+                solution.plan, dataclasses.replace(opts, gpus=solution.answer), top=top, explain=explain
+            ),
+        ]
+        return "\n".join(lines)
+
+    def said(v: int) -> str:
+        return f"micro-batch {v}" if q == "max_micro_batch" else f"{v} tokens"
+
+    answer = str(solution.answer) if q == "max_micro_batch" else said(solution.answer)
+    lines.append(f"{SOLVE_WHAT[q]}: {answer} → {_verdict(solution.best)}")
+    if solution.over is not None:
+        past = solution.over.estimate.spec.train
+        value = past.micro_batch_size if q == "max_micro_batch" else past.seq_len
+        lines.append(f"  {said(value)} would need {_verdict(solution.over)}")
+    else:
+        lines.append("  (the search limit: more may fit)")
+    if q == "max_seq_len":
+        lines.append(f"  (sequence lengths tried in steps of {solution.tried[0]} tokens: {tried})")
+    else:
+        lines.append(f"  (tried {tried})")
+    return "\n".join(lines)
+
+
+def solve_json(solution, opts: PlanOptions) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "solve": solution.question,
+        "answer": solution.answer,
+        "engine": opts.engine,
+        "threshold": opts.threshold,
+        "tried": list(solution.tried),
+        "best": None if solution.best is None else _solve_row(solution.best),
+        "over": None if solution.over is None else _solve_row(solution.over),
+    }
+    if solution.plan is not None:
+        out["plan"] = plan_json(solution.plan, dataclasses.replace(opts, gpus=solution.answer))
+    out["units"] = JSON_UNITS
+    return out
+
+
+def _solve_row(row: PlanRow) -> dict[str, Any]:
+    fields = _row_fields(row) if row.cost is not None else {}
+    spec = row.estimate.spec
+    fields.update(
+        config_id=config_id(spec),
+        world_size=spec.parallel.world,
+        train_micro_batch_size=spec.train.micro_batch_size,
+        train_seq_len=spec.train.seq_len,
+        total_bytes=row.estimate.total_bytes,
+        calibrated_bytes=row.calibrated_bytes,
+        device_total_bytes=row.predicted_bytes,
+        utilisation=row.utilisation,
+        fits=row.fits,
+    )
+    return fields

@@ -1,0 +1,121 @@
+"""Candidate peaks beyond the one sum, and which stages can hold the most-loaded rank.
+
+A stage's peak is ``states + max(forward/backward, optimizer step)`` (terms.peak_bytes); some ranks
+have a later peak of their own that the traces show (the head's re-gather under FSDP2, the end of
+backward, a second whole embedding gradient under tensor parallelism). Each is a function here that
+says what it adds over the forward/backward terms."""
+
+from __future__ import annotations
+
+from harness.estimate import activations as act
+from harness.estimate import buffers as buf
+from harness.estimate import states as st
+from harness.spec import ParallelSpec, RunSpec, TrainSpec
+
+
+def replicated_embedding_grad(
+    spec: RunSpec,
+    grads: str,
+    terms: dict[str, int],
+    states: int,
+    buffers: int,
+    activations: int,
+    step: int,
+    *,
+    fused_norm: bool,
+    autocast: bool,
+) -> tuple[int, int, int]:
+    """Stage 0 under tensor parallelism (torch, d·c = 1, or under pipelining any d·c without ZeRO):
+    the embedding's gradient is not sharded.
+
+    DTensor has no vocabulary-sharded rule for ``embedding_dense_backward``: the row-parallel
+    embedding's gradient comes back replicated, the full v·h matrix in FP32 on every tp rank, and
+    stays so as ``.grad`` until the step (``compose.sync_tied_weight`` meets the same). So the
+    gradients hold 4·v·h·(1 − 1/t) bytes more than ``stage_params`` says, at the step (``step_grads``)
+    or at the peak (``grads``), whichever holds them. And from the second micro-batch on, the
+    embedding's backward makes a new full gradient before adding it to the accumulated one: a candidate
+    peak at the end of the second backward — all gradients made, a second full embedding gradient,
+    the activations of min(inflight − 1, m − 2) micro-batches (1F1B: one more forward runs between
+    the first two backwards only when m > inflight). Traced (``run.mode=fake``, Llama-3-70B at 16
+    layers, tp 8 × pp 8, m 8): the peak is there, with both 3.91 GiB copies alive; on a real CPU run
+    (tiny, tp 2 × pp 2, m 4, BF16) rank 0's measured peak equals the fake trace's. What that candidate
+    adds over the forward/backward terms is put in ``grad_reduce`` (0 otherwise for torch): gradient
+    memory of backward beyond the states. Without ZeRO the data-parallel wrapper (DDP, ``replicate``)
+    gets the same whole gradient: traced on the paper grids' 70B points with d·c = 2 (Llama-3-70B,
+    tp 4 × pp 8 × cp 2, stage 0: three whole 3.91 GiB FP32 copies among the temporaries at the peak),
+    where the engine, which applied this only at d·c = 1, read 11.5 % under. The third copy is not
+    counted here (Llama-3-70B tp 4 × pp 8 with d·c = 2 stays 3.7-5.5 % under). Real CPU runs agree
+    under pipelining (the CPU study's tp 2 × pp 2 points with d·c = 2: −0.1 to +1.0 %) but not without
+    it: there (tp 2-4 × d·c 2, no pipeline) the measured peaks hold no whole copy, and counting one put
+    the engine up to 9 % over, so it is left out. With ZeRO the gradient is reduce-scattered to its
+    shard and nothing of this was traced. Mutates ``terms``; returns (states, buffers, step)."""
+    m, p, t = spec.model, spec.parallel, spec.train
+    full = 4 * m.vocab_size * m.hidden_size
+    extra = full - 4 * (m.vocab_size * m.hidden_size // p.tp)
+    if grads == "none":
+        terms["step_grads"] += extra
+        step += extra
+    else:
+        terms["grads"] += extra
+        states += extra
+    if t.num_microbatches < 2 or p.pp_schedule == "gpipe" or p.virtual_stages > 1:
+        return states, buffers, step
+    inflight = act.inflight_chunks(p, t, stage=0)
+    held = act.stage_layer_activations(
+        m, p, t, stage=0, engine="torch", fused_norm=fused_norm, autocast=autocast
+    )
+    per_chunk = held // inflight  # (recomputation's working set is small against a chunk; left in)
+    freed = inflight - max(0, min(inflight - 1, t.num_microbatches - 2))
+    grads_made = 0 if grads != "none" else terms["step_grads"]
+    # The blocks' backward working set (in ``activations``, act.backward_working_set) is gone by the
+    # embedding's backward, the stage's last.
+    working = max(0, act.backward_working_set(m, p, t) - terms["logits"] - terms["loss"])
+    candidate = buffers + activations - working - freed * per_chunk + grads_made + full
+    more = max(0, candidate - (buffers + activations))
+    terms["grad_reduce"] += more
+    return states, buffers + more, step
+
+
+def fsdp_last_stage_peaks(
+    spec: RunSpec, stage: int, terms: dict[str, int], buffers: int, activations: int
+) -> int:
+    """The last stage under FSDP2 (ZeRO-3, d·c > 1): two candidate peaks after the loss, each counted in
+    ``fsdp_allgather`` as what it adds over the forward/backward terms. Mutates ``terms``; returns the
+    forward/backward buffers' new sum.
+
+    The head's backward re-gathers the root after the loss's buffers are freed (buffers.fsdp_root_regather);
+    the end of backward, the root's own reduce-scatter, is the larger one when full recomputation leaves
+    few activations (buffers.fsdp_backward_end)."""
+    m, p, t = spec.model, spec.parallel, spec.train
+    extra = max(0, buf.fsdp_root_regather(m, p, t, stage=stage) - terms["logits"] - terms["loss"])
+    terms["fsdp_allgather"] += extra
+    buffers += extra
+    end = buf.fsdp_backward_end(m, p, t, stage=stage) - terms["grads"]
+    extra = max(0, end - (buffers + activations))
+    terms["fsdp_allgather"] += extra
+    return buffers + extra
+
+
+def dominant_stages(p: ParallelSpec, t: TrainSpec) -> tuple[int, ...]:
+    """The stages among which the most-loaded one always is: 0, 1, the last, and the first middle
+    stage whose peak follows a backward (torch: its gradients are alive then); every stage under
+    interleaved 1F1B.
+
+    Stages 1 … pp − 2 hold the same parameters (L/pp layers, no embedding or head), the same buffers
+    and no token ids; they differ in in-flight micro-batches, which never grow with the stage index
+    (``inflight_chunks``), and in whether the runner's gradients exist at their peak, which once true
+    stays true for every later stage (:func:`states.torch_grads_at_peak`). So stage 1 and the first
+    stage with gradients bound every middle stage, and the max over these equals the max over all
+    stages (a property test checks it).
+    """
+    pp = p.pp
+    if p.pp_schedule == "interleaved_1f1b" and p.virtual_stages > 1:
+        # Interleaved 1F1B keeps the sends of a rank's finished backwards until the step ends, more of
+        # them the later the rank (buffers.interleaved_sends_kept): no few stages bound the rest.
+        return tuple(range(pp))
+    stages = {0, min(1, pp - 1), pp - 1}
+    for i in range(1, pp - 1):
+        if st.torch_grads_at_peak(p, t, stage=i) == "accumulated":
+            stages.add(i)
+            break
+    return tuple(sorted(stages))

@@ -1,0 +1,179 @@
+"""One pipeline stage's terms, composed from the term functions (states, activations, buffers) and the
+candidate peaks of harness/estimate/peaks.py; cached in two halves for ``plan``."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from harness.estimate import activations as act
+from harness.estimate import buffers as buf
+from harness.estimate import states as st
+from harness.estimate.params import largest_param, stage_params
+from harness.estimate.peaks import fsdp_last_stage_peaks, replicated_embedding_grad
+from harness.estimate.terms import BUFFER_TERMS, STATE_TERMS, STEP_TERMS, StageEstimate
+from harness.spec import ModelSpec, ParallelSpec, RunSpec, TrainSpec
+
+# Two halves of a stage's terms, cached with their partial sums: ``plan`` evaluates tens of thousands
+# of layouts that share them (model states do not depend on the training shape, activations not on the
+# ZeRO stage or dp). Positional arguments only: lru_cache builds its key faster without keywords.
+Items = tuple[tuple[str, int], ...]
+
+
+@lru_cache(maxsize=65536)
+def _state_terms(
+    m: ModelSpec,
+    stage: int,
+    pp: int,
+    tp: int,
+    shards: int,
+    zero: int,
+    precision: str,
+    engine: str,
+    grads_at_peak: str,
+) -> tuple[Items, int, int, int]:
+    """(items, states sum, forward/backward buffers sum, optimizer-step sum). ``grads_at_peak``: torch's
+    :func:`states.torch_grads_at_peak` (megatron keeps its gradient buffer: "kept")."""
+    n = stage_params(m, stage=stage, pp=pp, tp=tp)
+    if engine == "torch" and shards == 1:
+        zero = 0  # the runner wraps nothing for one data-parallel rank: every ZeRO stage is plain AdamW
+    if engine == "megatron":
+        states = st.megatron_states(n, zero_stage=zero, shards=shards, precision=precision)
+    else:
+        largest = largest_param(m, stage=stage, pp=pp, tp=tp)
+        states = st.torch_states(n, zero_stage=zero, shards=shards, precision=precision, largest=largest)
+    step_grads = 0
+    if grads_at_peak == "none":  # made in backward, gone after the step: the step's term only
+        states["grads"], step_grads = 0, states["grads"]
+    elif grads_at_peak == "kept_and_accumulated":  # DDP's buckets and no_sync's own gradients
+        states["grads"] *= 2
+    elif grads_at_peak == "accumulated" and zero >= 2:
+        # FSDP2 accumulates them unsharded, in its reduce dtype: the runner's policy reduces in FP32,
+        # and a BF16 gradient is upcast as it is kept (FSDPParam.to_accumulated_grad_if_needed, torch
+        # 2.13 _fully_shard/_fsdp_param.py): 4 B per parameter in either precision. Traced: Llama-3.1-
+        # 405B, tp 8 × dp 16, ZeRO-3, 8 micro-batches, BF16, rank 0 held 189 GiB of them, where 2 B
+        # per parameter (the compute dtype, as counted before) said 94.5.
+        states["grads"] = 4 * n
+    items = (
+        *states.items(),
+        (
+            "param_copies",
+            st.param_copies(
+                n,
+                zero_stage=zero,
+                precision=precision,
+                engine=engine,
+                replicate=pp > 1 and shards > 1,
+                uncast=_uncast_embedding(m, stage=stage, pp=pp, tp=tp),
+            ),
+        ),
+        (
+            "fsdp_allgather",
+            buf.fsdp_allgather(
+                m, stage=stage, pp=pp, tp=tp, zero_stage=zero, precision=precision, engine=engine
+            ),
+        ),
+        ("grad_reduce", buf.grad_reduce(m, tp=tp, zero_stage=zero, shards=shards, engine=engine)),
+        ("step_grads", step_grads),
+        ("optimizer_step", buf.optimizer_step(n, zero_stage=zero, shards=shards, engine=engine)),
+    )
+    d = dict(items)
+    return (
+        items,
+        sum(d[k] for k in STATE_TERMS),
+        sum(d[k] for k in BUFFER_TERMS if k in d),
+        sum(d[k] for k in STEP_TERMS),  # as in peak_bytes
+    )
+
+
+def _uncast_embedding(m: ModelSpec, *, stage: int, pp: int, tp: int) -> int:
+    """The embedding's parameters on ``stage``'s rank where autocast leaves them uncast: stage 0's,
+    unless the head on the same rank shares the matrix (tied, pp = 1) and its matmul casts it."""
+    if stage != 0 or (m.tie_embeddings and pp == 1):
+        return 0
+    return m.vocab_size * m.hidden_size // tp
+
+
+@lru_cache(maxsize=65536)
+def _activation_terms(
+    m: ModelSpec, t: TrainSpec, stage: int, engine: str, layout: tuple
+) -> tuple[Items, int]:
+    """(items, their sum: all are forward/backward terms)."""
+    tp, pp, cp, sp, schedule, v, balance, fused_norm, autocast = layout
+    # Activations depend on neither dp nor the ZeRO stage: they are not part of the key.
+    p = ParallelSpec(
+        dp=1,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        zero_stage=0,
+        sequence_parallel=sp,
+        pp_schedule=schedule,
+        virtual_stages=v,
+        cp_load_balance=balance,
+    )
+    activations = act.stage_layer_activations(
+        m, p, t, stage=stage, engine=engine, fused_norm=fused_norm, autocast=autocast
+    )
+    logits = act.logits(m, p, t, stage=stage, engine=engine)
+    loss = buf.loss(m, p, t, stage=stage, engine=engine)
+    if engine == "torch" and schedule != "gpipe":  # GPipe keeps every micro-batch's loss buffers
+        # The layer recomputed in backward and the loss's buffers are never alive together: backward
+        # reaches the layers after the head's gradient is made and the loss buffers are freed, so the
+        # peak holds the larger of the two. Measured on the CPU study: full recomputation was
+        # over-predicted by ~19 % when both were added.
+        working = act.recompute_working_set(m, p, t, engine=engine, fused_norm=fused_norm, autocast=autocast)
+        activations -= min(working, logits + loss)
+    if engine == "torch":
+        # A block's backward gradients: a peak of their own where no loss buffers come first.
+        activations += max(0, act.backward_working_set(m, p, t) - logits - loss)
+        activations += act.pipeline_stage_outputs(m, p, t, stage=stage, engine=engine, autocast=autocast)
+    items = (
+        ("activations", activations),
+        ("token_ids", act.token_ids(p, t, stage=stage, engine=engine)),
+        (
+            "output_activations",
+            act.output_activations(m, p, t, stage=stage, engine=engine, fused_norm=fused_norm),
+        ),
+        ("logits", logits),
+        ("tp_allgather", buf.tp_allgather(m, p, t, autocast=autocast)),
+        ("pp_p2p", buf.pp_p2p(m, p, t, stage=stage, engine=engine, autocast=autocast)),
+        ("cp_kv_allgather", buf.cp_kv_allgather(m, p, t, engine=engine)),
+        ("loss", loss),
+    )
+    return items, sum(v for _, v in items)
+
+
+def stage_estimate(spec: RunSpec, stage: int, engine: str) -> StageEstimate:
+    """One stage's terms and peak (= ``peak_bytes(terms)``, from the cached partial sums)."""
+    m, p, t = spec.model, spec.parallel, spec.train
+    grads = st.torch_grads_at_peak(p, t, stage=stage) if engine == "torch" else "kept"
+    s_items, states, buffers, step = _state_terms(
+        m, stage, p.pp, p.tp, p.dp * p.cp, p.zero_stage, t.precision, engine, grads
+    )
+    # On a GPU the runner's RMSNorm is CUDA's fused kernel (activations.norm_tensors).
+    fused_norm = spec.device.name != "cpu"
+    layout = (
+        p.tp,
+        p.pp,
+        p.cp,
+        p.sequence_parallel,
+        p.pp_schedule,
+        p.virtual_stages,
+        p.cp_load_balance,
+        fused_norm,
+        engine == "torch" and act.torch_autocast(p, t),
+    )
+    a_items, activations = _activation_terms(m, t, stage, engine, layout)
+    terms = dict(s_items + a_items)
+    if engine == "torch" and p.zero_stage == 3 and p.dp * p.cp > 1 and stage == p.pp - 1:
+        buffers = fsdp_last_stage_peaks(spec, stage, terms, buffers, activations)
+    if (
+        engine == "torch"
+        and stage == 0
+        and p.tp > 1
+        and (p.dp * p.cp == 1 or (p.zero_stage == 0 and p.pp > 1))
+    ):
+        states, buffers, step = replicated_embedding_grad(
+            spec, grads, terms, states, buffers, activations, step, fused_norm=fused_norm, autocast=layout[-1]
+        )
+    return StageEstimate(stage, terms, states + max(buffers + activations, step))

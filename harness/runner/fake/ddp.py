@@ -1,0 +1,152 @@
+"""DDP's gradient buckets, accounted for explicitly in a fake run.
+
+``DistributedDataParallel`` cannot run on fake tensors: its C++ reducer checks parameter shapes across
+ranks with real collectives and hands bucket data pointers to the process group. What it holds is
+simple and is reproduced here in Python, on the same parameters, with the runner's settings
+(``gradient_as_bucket_view=True``, default 25 MiB buckets, the first one 1 MiB):
+
+- flat buckets, one tensor each, in the parameters' dtype, filled in reverse registration order (the
+  reducer's ``_compute_bucket_assignment_by_size``); they live as long as the model;
+- when a gradient is ready (and gradients are being synchronised), it is copied into its bucket view
+  and the parameter's ``.grad`` becomes that view (``Reducer::mark_variable_ready`` /
+  ``initialize_bucket_views``); under ``no_sync`` (gradient accumulation) the gradients accumulate in
+  fresh tensors beside the buckets until the synchronising micro-batch;
+- the reducer rebuilds its buckets once, in the second step's first forward (``_rebuild_buckets``,
+  in gradient-ready order), releasing the first set: one set is alive at any peak. (The CPU study once
+  measured both sets alive through that step; that was its instrument, which counted the first set's
+  free only from the step's start: harness/runner/measure ``start_cpu_accounting``.)
+All-reduces are in place and the fake group moves nothing, so they add no memory. Everything here is
+on the default CUDA stream, as under the real reducer, which allocates its buckets on the current stream
+and all-reduces them in place on NCCL's stream, allocating nothing there (harness/runner/measure, the
+stream constants): a fake DDP trace has no side-stream blocks, and needs none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+FIRST_BUCKET_BYTES = 1024 * 1024  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+BUCKET_CAP_BYTES = 25 * 1024 * 1024  # DistributedDataParallel(bucket_cap_mb=25)
+
+
+def bucket_sizes(params: list[torch.Tensor], *, first_bytes: int = FIRST_BUCKET_BYTES) -> list[list[int]]:
+    """Indices of ``params`` per bucket: greedy in reverse order, a bucket closed once it reaches its
+    cap (``first_bytes`` for the first, 25 MiB after), one dtype per bucket."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size, dtype = 0, None
+    for i in reversed(range(len(params))):
+        q = params[i]
+        if current and q.dtype != dtype:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        dtype = q.dtype
+        size += q.numel() * q.element_size()
+        if size >= (first_bytes if not buckets else BUCKET_CAP_BYTES):
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class BucketedReplica(nn.Module):
+    """A stand-in for ``DistributedDataParallel(module, gradient_as_bucket_view=True)`` in a fake run."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+        self._params = [q for q in module.parameters() if q.requires_grad]
+        self._sync = True
+        self._backwards = 0  # synchronising backwards finished
+        self._callback_queued = False
+        self._rebuilt = False
+        self._views: dict[int, torch.Tensor] = {}
+        self._ready_order: list[int] = []
+        self._buckets = self._allocate(bucket_sizes(self._params))
+        for index, q in enumerate(self._params):
+            q.register_post_accumulate_grad_hook(self._make_hook(index))
+
+    def _allocate(self, assignment: list[list[int]]) -> list[torch.Tensor]:
+        buckets = []
+        for indices in assignment:
+            first = self._params[indices[0]]
+            flat = torch.empty(sum(self._params[i].numel() for i in indices), dtype=first.dtype)
+            offset = 0
+            for i in indices:
+                q = self._params[i]
+                self._views[i] = flat[offset : offset + q.numel()].view_as(q)
+                offset += q.numel()
+            buckets.append(flat)
+        return buckets
+
+    def _make_hook(self, index: int):
+        def hook(param: torch.Tensor) -> None:
+            if not self._sync:
+                return
+            if not self._callback_queued:  # once per backward, run when the engine finishes
+                self._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+            view = self._views[index]
+            if param.grad is not None and param.grad is not view:
+                view.copy_(param.grad)
+                param.grad = view
+            if not self._rebuilt:
+                self._ready_order.append(index)
+
+        return hook
+
+    def _backward_done(self) -> None:
+        self._callback_queued = False
+        self._backwards += 1
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def forward(self, *args, **kwargs):
+        if self._backwards >= 1 and not self._rebuilt:
+            # The reducer's one rebuild, in gradient-ready order; the first set goes with it.
+            self._buckets = []
+            order = self._ready_order or list(range(len(self._params)))
+            self._views = {}
+            self._buckets = self._allocate(_group(order, self._params))
+            self._rebuilt = True
+        return self.module(*args, **kwargs)
+
+
+def _group(order: list[int], params: list[torch.Tensor]) -> list[list[int]]:
+    """``order`` cut into buckets of at most 25 MiB, one dtype each."""
+    out: list[list[int]] = []
+    current: list[int] = []
+    size, dtype = 0, None
+    for i in order:
+        q = params[i]
+        if current and (q.dtype != dtype or size >= BUCKET_CAP_BYTES):
+            out.append(current)
+            current, size = [], 0
+        current.append(i)
+        dtype = q.dtype
+        size += q.numel() * q.element_size()
+    if current:
+        out.append(current)
+    return out
+
+
+def apply_bucketed_replica(model: nn.Module, mesh, *, tensor_parallel: bool) -> nn.Module:
+    """:func:`harness.runner.parallel.data.apply_ddp`'s signature and parameter handling, with the
+    reducer's memory reproduced by :class:`BucketedReplica`."""
+    del mesh
+    if tensor_parallel:
+        from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+
+        _pre_dp_module_transform(model)
+    return BucketedReplica(model)

@@ -1,0 +1,162 @@
+"""The context managers a fake trace runs under: real meshes, private sharding propagation, DDP replaced
+by explicit buckets, pipeline stages' meta shapes, and a deepcopy that stays fake."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from harness.spec import RunSpec
+
+
+@contextlib.contextmanager
+def _real_meshes() -> Iterator[None]:
+    """DeviceMesh concatenation (FSDP2 over a dp × tp mesh) with fake mode suspended: it builds its
+    index tensor from real values, which FakeTensorMode refuses (../shared/research/torch-cpu.md 6.3)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh._concatenate
+
+    def concatenate(device_mesh_list):
+        with unset_fake_temporarily():
+            return original(device_mesh_list)
+
+    DeviceMesh._concatenate = staticmethod(concatenate)
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = staticmethod(original)
+
+
+@contextlib.contextmanager
+def _private_sharding_propagation() -> Iterator[None]:
+    """DTensor's output-metadata propagation in a fake mode of its own, as in a real run.
+
+    For ops without a cached rule DTensor runs the op on global-shape fake tensors
+    (``ShardingPropagator._propagate_tensor_meta_non_cached``) in ``detect_fake_mode() or
+    FakeTensorMode()``. In a real run that is a fresh mode, which MemTracker recognises and skips;
+    in a fake run it is the trace's own mode, so MemTracker counted those global-shape tensors as
+    the rank's memory: loss_parallel's FP32 log-softmax over the whole vocabulary (tiny, tp 2, s 1024,
+    BF16: traced 73.7 MiB against 61.8 MiB measured on a real CPU run). With the trace's mode
+    suspended the propagation makes its own, as it does in a real run."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def propagate(self, op_schema):
+        with unset_fake_temporarily():
+            return original(self, op_schema)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original
+
+
+@contextlib.contextmanager
+def _bucketed_ddp(compose) -> Iterator[None]:
+    """The composer's DDP replaced by :class:`BucketedReplica` while tracing."""
+    from harness.runner.fake.ddp import apply_bucketed_replica
+
+    original = compose.apply_ddp
+    compose.apply_ddp = apply_bucketed_replica
+    try:
+        yield
+    finally:
+        compose.apply_ddp = original
+
+
+def hidden_meta_dtype(spec: RunSpec):
+    """The dtype of the hidden states a pipeline stage sends: BF16 under FSDP2 or ``replicate``'s
+    mixed precision, FP32 under autocast (the residual stream stays FP32) and in FP32 runs."""
+    import torch
+
+    p = spec.parallel
+    fsdp_like = p.dp * p.cp > 1  # with pp > 1 the runner always replicates or shards (compose)
+    return torch.bfloat16 if spec.train.precision == "bf16" and fsdp_like else torch.float32
+
+
+@contextlib.contextmanager
+def _local_stage_meta(spec: RunSpec) -> Iterator[None]:
+    """Pipeline stages without the peer ranks: the schedule's warm-up vote and its metadata exchange
+    go over the process group (``recv_object_list``, a value read with ``.item()``), which the fake
+    group does not carry. Every stage of the runner votes the same way (none is given shapes), so each
+    stage takes its own vote, and the metadata a neighbour would send — the hidden states
+    (micro-batch, s / cp [/ tp under sequence parallelism], h) forward, their gradient backward —
+    is built here."""
+    import torch
+    from torch.distributed.pipelining import _utils as pu
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    p, t = spec.parallel, spec.train
+    tokens = t.seq_len // p.cp // (p.tp if p.tp > 1 and p.sequence_parallel else 1)
+    shape = (t.micro_batch_size, tokens, spec.model.hidden_size)
+
+    def recv_meta(stage, src_stage):
+        hidden = torch.empty(shape, dtype=hidden_meta_dtype(spec), requires_grad=True)
+        metas = pu.extract_tensor_metas((hidden,))
+        if src_stage < stage.stage_index:
+            return pu._StageForwardMeta(forward_metas=metas)
+        return pu._StageBackwardMeta(backward_metas=stage._stage_meta.outputs or metas)
+
+    def warmup(schedule, stages, has_backward, p2p_done):
+        for stage in stages:
+            dynamic = pu.InferenceMode.needs_dynamic(stage._user_meta, has_backward)
+            stage._inference_mode = pu.InferenceMode.DYNAMIC if dynamic else pu.InferenceMode.STATIC
+
+    patches = [
+        (PipelineStage, "_recv_meta", recv_meta),
+        (PipelineStage, "_send_meta", lambda stage, meta, dst_stage: None),
+        (schedules._PipelineSchedule, "_warmup_p2p", warmup),
+    ]
+    originals = [(cls, name, cls.__dict__.get(name)) for cls, name, _ in patches]
+    for cls, name, fn in patches:
+        setattr(cls, name, fn)
+    try:
+        yield
+    finally:
+        for cls, name, fn in originals:
+            if fn is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, fn)
+
+
+@contextlib.contextmanager
+def _fake_deepcopy(fake_mode) -> Iterator[None]:
+    """``copy.deepcopy`` of a fake model (a pipeline stage is a copy, ``pipeline.split_stage``) in the
+    same fake mode: a plain deepcopy converts each fake tensor into a new mode ("Mixing fake modes"),
+    and ``FakeCopyMode`` returns plain fake tensors where parameters were, which are made parameters
+    again."""
+    import copy
+
+    from torch import nn
+    from torch._subclasses.fake_tensor import FakeCopyMode
+
+    from harness.runner.parallel import pipeline
+
+    def deepcopy(obj, memo=None):
+        with FakeCopyMode(fake_mode):
+            out = copy.deepcopy(obj, memo)
+        made: dict[int, nn.Parameter] = {}  # tied weights stay one parameter
+        for mod in out.modules() if isinstance(out, nn.Module) else ():
+            for name, q in list(mod._parameters.items()):
+                if q is not None and not isinstance(q, nn.Parameter):
+                    if id(q) not in made:
+                        made[id(q)] = nn.Parameter(q, requires_grad=q.requires_grad)
+                    mod._parameters[name] = made[id(q)]
+        return out
+
+    class _Copy:  # the ``copy`` module as pipeline.py sees it
+        def __getattr__(self, name):
+            return deepcopy if name == "deepcopy" else getattr(copy, name)
+
+    pipeline.copy = _Copy()
+    try:
+        yield
+    finally:
+        pipeline.copy = copy

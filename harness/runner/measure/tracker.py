@@ -1,0 +1,275 @@
+"""PyTorch's MemTracker, extended: the peak by category (parameters, gradients, optimizer state,
+activations, temporaries), every storage it makes logged with its simulated stream, and the live
+storages it cannot see."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from harness.runner.measure.trace import DEFAULT_STREAM, _trace_event
+
+CATEGORY_NAMES = {
+    # MemTracker / FSDPMemTracker category → record name
+    "Parameter": "params",
+    "Sharded Param": "params",
+    "Unsharded Param": "unsharded_params",
+    "Buffer": "buffers",
+    "Gradient": "grads",
+    "Sharded Grad": "grads",
+    "Unsharded Grad": "unsharded_grads",
+    "Activation": "activations",
+    "Temp": "temporaries",
+    "Optstate": "optimizer",
+    "Inputs": "inputs",
+    "Other": "other",
+}
+
+
+def _tracker_class():
+    """PyTorch's MemTracker, accepting a root module called once per micro-batch.
+
+    MemTracker refuses a root module's second forward in one tracked region ("multiple iterative calls"),
+    which is what gradient accumulation and every pipeline schedule do. Only the global peak is used
+    here, not per-module statistics, so the root's module statistics are dropped before its next forward
+    (what ``reset_mod_stats`` does for all modules, done for the root alone). FSDPMemTracker is not used:
+    it refuses the same in a hook of its own, and MemTracker already follows FSDP2's ``resize_`` of
+    unsharded parameters, so its totals stand without it.
+    """
+    import weakref
+    from functools import partial
+
+    from torch._guards import active_fake_mode
+    from torch.distributed._tools.mem_tracker import (
+        _TOTAL_KEY,
+        MemTracker,
+        _MemRefType,
+        _ModMemStats,
+        _UpdateType,
+        _WeakRefInfo,
+    )
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_map_only
+
+    _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+    _SCALARS = (int, float, bool)
+
+    class Tracker(MemTracker):
+        # The storages it sees made and freed, as trace events (harness.alloc's format), where no
+        # allocator reports them (fake tensors allocate nothing): set to a list to record. A storage's
+        # address is its ``_WeakRefInfo``'s id (unique while it lives); FSDP2's ``resize_`` of an
+        # unsharded parameter is a free and an allocation. ``stream_log``, where an allocator reports
+        # them (a real CPU run): (address, bytes, stream) of each storage an operator makes, in order,
+        # for ``_AllocatorPeak`` to give its allocations their streams. ``streams``: the stream
+        # allocated on now (``_SimulatedStreams``; the stream constants above).
+        trace_events: list[dict[str, Any]] | None = None
+        stream_log: list[tuple[int, int, int]] | None = None
+        streams: Callable[[], int] = staticmethod(lambda: DEFAULT_STREAM)
+        _block_streams: dict[int, int]  # address → stream of a recorded block not on stream 0
+        _grown: list[_WeakRefInfo] | None = None  # storages made or grown by the current operator
+
+        def start_trace(self, streams: Callable[[], int] | None = None) -> None:
+            """Record from here on, starting with every storage tracked now, as allocations."""
+            if streams is not None:
+                self.streams = streams
+            self._block_streams = {}
+            self.trace_events = [
+                _trace_event("alloc", id(w), w.mem_consumed, DEFAULT_STREAM)
+                for w, _ in self._WINFO.values()
+                if w.mem_consumed
+            ]
+
+        def start_stream_log(self, streams: Callable[[], int]) -> None:
+            """Log the streams of the storages operators make from here on (``stream_log``)."""
+            self.streams = streams
+            self.stream_log = []
+
+        def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
+            super()._update_snap(u_type, winfo, old_mem_consumed=old_mem_consumed, old_reftype=old_reftype)
+            if self._grown is not None and (
+                u_type == _UpdateType.ADD or (u_type == _UpdateType.SIZE and winfo.mem_consumed)
+            ):
+                self._grown.append(winfo)
+            events = self.trace_events
+            if events is None:
+                return
+            addr, streams = id(winfo), self._block_streams
+            if u_type == _UpdateType.DEL or (u_type == _UpdateType.SIZE and old_mem_consumed):
+                size = winfo.mem_consumed if u_type == _UpdateType.DEL else old_mem_consumed
+                events.append(_trace_event("free_completed", addr, size, streams.pop(addr, DEFAULT_STREAM)))
+            if u_type == _UpdateType.ADD or (u_type == _UpdateType.SIZE and winfo.mem_consumed):
+                stream = self.streams()
+                if stream != DEFAULT_STREAM:
+                    streams[addr] = stream
+                events.append(_trace_event("alloc", addr, winfo.mem_consumed, stream))
+
+        def _log_streams(self, func, res: Any) -> None:
+            # The storages of this operator's result that it made (``_grown``), with the current
+            # stream, for a real run's trace (whose events come from the profiler, by address). An
+            # operator whose result aliases an input (a view, an ``out=``) made nothing, though the
+            # tracker may see the storage as new: MemTracker knows a storage by its Python object, and
+            # one that died and was made again is added again (a real gloo reduce-scatter's ``split``
+            # of its input, on the reduce-scatter stream: logged, that block's address took stream 2
+            # for the next allocation there).
+            grown, self._grown = self._grown, None
+            if not grown or _aliases(func):
+                return
+            stream = self.streams()
+            tensors = res if type(res) in (tuple, list) else [res]
+            for x in tensors:
+                if isinstance(x, torch.Tensor):
+                    st = x.untyped_storage()
+                    w = self._WINFO.get(st)
+                    if w is not None and any(w[0] is g for g in grown):
+                        self.stream_log.append((st.data_ptr(), st.nbytes(), stream))
+
+        # Only the global figures are read (``get_tracker_snapshot``: current and peak, by category),
+        # never the per-module statistics (``memory_tracking``'s snapshots and local peaks), which
+        # MemTracker keeps up after every operator: ``_update_peak_stats`` walks every module called so
+        # far and deep-copies a snapshot for each active one whose local peak rises, and each module
+        # hook deep-copies the whole snapshot: 2.4 of 18.4 profiled CPU s of a fake trace (Llama-3-70B
+        # cut to 16 layers, tp 8 × pp 8, rank 0), mostly a weak-reference lookup per module per
+        # operator. The overrides below keep exactly what the global figures depend on and drop the
+        # rest; tests/runner/test_measure.py compares them with MemTracker's own.
+
+        def _update_peak_stats(self, peak_state):
+            # MemTracker's global part, unchanged: a device's peak snapshot is taken where its total
+            # rises (a shallow copy: its values are ints, its keys enum members and "Total").
+            for dev, dev_snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
+                    self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = dict(dev_snap)
+
+        def _pre_fw_hook(self, module, inputs):
+            # What MemTracker's hook does that the global figures see: a module's first forward tracks
+            # its parameters, buffers and gradients (and hooks its parameters' gradients), and a
+            # forward during backward (recomputation) makes what it creates activations until the
+            # outermost recomputed module's forward ends. Its snapshots and input sizes are not kept.
+            # A root module's statistics are dropped before its next forward (see the class
+            # docstring), so its parameters are tracked again then, as MemTracker's own hook would.
+            tracking = self.memory_tracking
+            is_bw = self._mod_tracker.is_bw
+            if module in tracking and not is_bw:
+                name = self._mod_tracker.get_known_fqn(module)
+                if set(self._mod_tracker.parents) - {name} == {"Global"}:
+                    del tracking[module]
+            if module not in tracking:
+                name = self._mod_tracker.get_known_fqn(module)
+                if name is None:
+                    raise AssertionError
+                self._track_module_params_and_buffers(module, install_grad_hooks=True)
+                tracking[module] = _ModMemStats(name)
+            elif is_bw and self._ac_mod is None:
+                self._ac_mod = weakref.ref(module)
+                self._in_ac = True
+
+        def _post_fw_hook(self, module, inputs, outputs):
+            if self._mod_tracker.is_bw and self._ac_mod is not None and self._ac_mod() is module:
+                self._ac_mod = None
+                self._in_ac = False
+
+        def _pre_bw_hook(self, module, args):
+            pass  # per-module snapshots only
+
+        def _post_bw_hook(self, module, args):
+            pass  # per-module snapshots only
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            # MemTracker's, with its ``tree_map_only`` over the result walked directly where the result
+            # is a tensor or a flat tuple or list (almost every operator), in the same order.
+            if any(t == DTensor for t in types):
+                return NotImplemented
+            waited = func is _WAIT_TENSOR and active_fake_mode()  # (MemTracker's meta wait_tensor fix)
+            res = args[0] if waited else func(*args, **kwargs or {})
+            if active_fake_mode() is self._fake_mode_on_entry:
+                if self.stream_log is not None:
+                    self._grown = []
+                if self._in_opt:
+                    reftype = _MemRefType.OPT
+                elif self._mod_tracker.is_bw and not self._in_ac:
+                    reftype = _MemRefType.TEMP
+                else:
+                    reftype = _MemRefType.ACT
+                if isinstance(res, torch.Tensor):
+                    self._track(reftype, res)
+                elif type(res) in (tuple, list) and all(
+                    x is None or type(x) in _SCALARS or isinstance(x, torch.Tensor) for x in res
+                ):
+                    for x in res:
+                        if isinstance(x, torch.Tensor):
+                            self._track(reftype, x)
+                else:
+                    tree_map_only(torch.Tensor, partial(self._track, reftype), res)
+                if self._grown is not None:
+                    self._log_streams(func, res)
+                self._update_peak_stats(None)
+            return res
+
+    return Tracker
+
+
+_ALIASES: dict[Any, bool] = {}
+
+
+def _aliases(func) -> bool:
+    """Whether any result of the operator ``func`` aliases an input (its schema says so)."""
+    known = _ALIASES.get(func)
+    if known is None:
+        schema = getattr(func, "_schema", None)
+        known = _ALIASES[func] = schema is not None and any(r.alias_info is not None for r in schema.returns)
+    return known
+
+
+def _optimizers(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The optimizers whose ``state`` holds this rank's optimizer tensors. MemTracker counts a tensor
+    made before tracking starts only if it is registered; ``ZeroRedundancyOptimizer`` keeps its
+    shard's state in a local optimizer (``.optim``) and its own ``state`` stays empty, so without this
+    the ZeRO-1 state was missing from every measured peak (the allocator check showed -18.6 %)."""
+    local = getattr(optimizer, "optim", None)
+    return [optimizer, local] if isinstance(local, torch.optim.Optimizer) else [optimizer]
+
+
+def _live_device_tensors(device: torch.device, *, fake: bool) -> Iterator[torch.Tensor]:
+    """One tensor per live storage on ``device`` that Python can reach (DTensors by their local shard),
+    found through the garbage collector, in its order (roughly creation order). ``fake``: the fake
+    tensors only (a fake run: they stand for the real rank's storages, such as pipeline buffers made in
+    the warm-up step), else the real ones only — a rank forked from a process that traced a fake run
+    (the test suite does) inherits its fake tensors, which hold no memory here."""
+    import gc
+
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.distributed.tensor import DTensor
+
+    gc.collect()
+    seen = set()
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), torch.Tensor):  # (isinstance would wake deprecated module proxies)
+            continue
+        t = obj._local_tensor if isinstance(obj, DTensor) else obj
+        if not (isinstance(t, FakeTensor) if fake else type(t) in (torch.Tensor, nn.Parameter)):
+            continue
+        if t.device != device or t.is_meta:
+            continue
+        st = t.untyped_storage()
+        if st.nbytes() == 0 or st._cdata in seen:
+            continue
+        seen.add(st._cdata)  # (not data_ptr: every fake storage has none)
+        yield t
+
+
+def _untracked_live_tensors(tracker: Any, device: torch.device, *, fake: bool) -> list[torch.Tensor]:
+    """The live storages' tensors on ``device`` that ``tracker`` does not know yet: what an
+    allocator-level count would include."""
+    known = tracker._WINFO
+    return [t for t in _live_device_tensors(device, fake=fake) if t.untyped_storage() not in known]
+
+
+def live_storages(device: torch.device) -> list[tuple[int, int]]:
+    """(address, bytes) of every tensor storage alive on ``device`` that Python can reach."""
+    return [
+        (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        for t in _live_device_tensors(device, fake=False)
+    ]

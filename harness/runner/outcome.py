@@ -1,0 +1,170 @@
+"""A point's outcome from every rank's report and exit code: which rank failed first and why (a peer's
+timeout is a symptom, never the cause; a host OOM kill is an ``oom``), and the one record."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+from harness.runner.procs import Terminated
+from harness.runner.record import finish_record
+from harness.spec import RunSpec
+
+# What a healthy rank reports when a peer never arrives at a collective (gloo, the TCPStore) or left it:
+# a symptom, never the cause (issue 12: a hung rank was recorded as rank 0's crash).
+SYMPTOMS = ("timed out", "timeout", "connection closed by peer", "connection reset", "broken pipe")
+HOST_OOM_ERRORS = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")
+
+
+def _read(out_dir: Path, rank: int) -> dict[str, Any]:
+    path = out_dir / f"rank{rank}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {"rank": rank}
+
+
+def _last_log_line(out_dir: Path, rank: int) -> str:
+    try:
+        lines = [
+            ln for ln in (out_dir / f"rank{rank}.log").read_text(errors="replace").splitlines() if ln.strip()
+        ]
+    except OSError:
+        return ""
+    return lines[-1][:300] if lines else ""
+
+
+def _symptom(entry: tuple[int, int, dict]) -> bool:
+    """A rank that failed only because a peer did not arrive or left (its own collective timed out,
+    its connection closed): gloo reports a peer's hang or death as this rank's error."""
+    err = (entry[2].get("error") or "").lower()
+    return entry[1] is not None and entry[1] > 0 and any(s in err for s in SYMPTOMS)
+
+
+def _culprit(failed: list[tuple[int, int, dict]]) -> tuple[int, int, dict]:
+    """The rank whose failure is the cause: one that was killed, else one whose error is not merely a
+    symptom of a peer, else the first."""
+    for entry in failed:
+        if entry[1] is not None and entry[1] < 0:
+            return entry
+    return next((entry for entry in failed if not _symptom(entry)), failed[0])
+
+
+def _host_oom(entry: tuple[int, int, dict], oom_kills: int | None) -> bool:
+    """The host ran out of memory for this rank: a failed host allocation, or a SIGKILL while the
+    kernel's OOM killer ended a process (issue 12: such rows said ``crash``)."""
+    err = entry[2].get("error") or ""
+    if any(s in err for s in HOST_OOM_ERRORS):
+        return True
+    return entry[1] == -signal.SIGKILL and bool(oom_kills)
+
+
+def point_record(
+    spec: RunSpec, out_dir: Path, outcomes: list[dict], timeout_s: float, *, count: int
+) -> dict[str, Any]:
+    """The point's one record from every task's outcome and every rank's numbers."""
+    world = spec.parallel.world
+    ranks = [_read(out_dir, r) for r in range(world)]
+    codes: dict[int, int | None] = {}
+    killed_here: set[int] = set()
+    for o in outcomes:
+        codes.update(zip(o["ranks"], o["codes"], strict=True))
+        killed_here.update(o["killed"])
+    timed_out = any(o["timed_out"] for o in outcomes)
+    device_name = _device_name(spec)
+    common = {
+        "wall_s": outcomes[0]["wall_s"],
+        "device_name": device_name,
+        "launch_tasks": count,
+        "launch_hosts": [o["host"] for o in outcomes],
+    }
+    if len(codes) < world:  # a whole task is missing: that, not its peers' broken collectives, is the cause
+        silent = [r for r in range(world) if r not in codes]
+        return finish_record(
+            spec,
+            ranks,
+            status="crash",
+            error=f"ranks {silent[0]}-{silent[-1]} never reported: their task (node) failed or never "
+            f"started; {len(outcomes)} of {count} tasks reported",
+            error_rank=silent[0],
+            exit_code=None,
+            **common,
+        )
+    # Ranks a supervisor killed (stragglers after a failure, or everyone at the deadline) are not the
+    # cause of anything.
+    failed = [(r, c, ranks[r]) for r, c in sorted(codes.items()) if c != 0 and r not in killed_here]
+    outside = [r for r, _, info in failed if (info.get("error") or "").startswith(f"{Terminated.__name__}:")]
+    if outside:
+        # A rank forked from this supervisor inherits its SIGTERM handler and ends with Terminated: the
+        # signal came from outside (``kill`` of the sweep's process group, as a shell's job control or a
+        # tool stopping a job sends it), not from the point. Seen: an interrupted local sweep left a
+        # `crash` row "Terminated: SIGTERM" that its resume never ran again. No row, as when SIGTERM
+        # reaches the supervisor itself.
+        raise Terminated(f"SIGTERM reached rank {outside[0]}: the point has no outcome")
+    stuck = sorted(killed_here)
+    if failed and stuck and all(_symptom(entry) for entry in failed):
+        # Every rank that ended did so on a peer's absence, and the ranks still running when the
+        # supervisor gave up are those peers: the point hung in them (issue 12).
+        names = ", ".join(str(r) for r in stuck)
+        first = failed[0]
+        return finish_record(
+            spec,
+            ranks,
+            status="timeout",
+            error=f"rank{'s' * (len(stuck) > 1)} {names} never arrived at a collective (still running, "
+            f"killed); rank {first[0]}'s own error is the symptom: {first[2].get('error') or ''}"[:500],
+            error_rank=stuck[0],
+            exit_code=None,
+            **common,
+        )
+    if failed:
+        entry = _culprit(failed)
+        rank, code, info = entry
+        oom_kills = sum(o.get("host_oom_kills") or 0 for o in outcomes)
+        host_oom = _host_oom(entry, oom_kills)
+        status = "oom" if host_oom or any(r[2].get("oom") for r in failed) else "crash"
+        if code is not None and code < 0:
+            error = f"rank {rank} killed by signal {signal.Signals(-code).name}"
+            if host_oom:
+                error += " (the host's OOM killer ran during the point)"
+        else:
+            error = info.get("error") or _last_log_line(out_dir, rank) or f"rank {rank} exited with {code}"
+        row = finish_record(
+            spec, ranks, status=status, error=error, error_rank=rank, exit_code=code, **common
+        )
+        if host_oom:
+            row["oom_source"] = "host"
+        return row
+    if timed_out:
+        return finish_record(
+            spec,
+            ranks,
+            status="timeout",
+            error=f"no result within {timeout_s:g} s; {len(killed_here)} of {world} ranks killed",
+            error_rank=None,
+            exit_code=None,
+            **common,
+        )
+    return finish_record(spec, ranks, status="ok", error=None, error_rank=None, exit_code=0, **common)
+
+
+def _device_name(spec: RunSpec) -> str:
+    if spec.device.name == "cpu":
+        return platform_cpu_name()
+    import torch
+
+    return torch.cuda.get_device_name(0)
+
+
+def platform_cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "cpu"

@@ -1,0 +1,203 @@
+"""The run record: one flat dict per point, whatever happened, with a schema version. No torch here.
+
+Column names are the public contract of ARCHITECTURE.md: every spec field by its dotted name with ``_``
+(``parallel_tp``), ``config_id``, ``status``, measured fields, the estimator's terms as
+``est_<term>_bytes``, environment fields and ``schema_version``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import platform
+import socket
+import statistics
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from harness import __version__
+from harness.estimate import TERMS, estimate
+from harness.estimate.flops import model_flops_per_step, peak_tflops_for
+from harness.estimate.terms import FLOPS_CONVENTION
+from harness.spec import RunSpec, canonical, config_id, flat, raw_id
+
+SCHEMA_VERSION = 1
+STATUSES = ("ok", "oom", "timeout", "crash", "invalid", "skipped_predicted_oom")
+
+
+@functools.lru_cache(maxsize=1)
+def git_revision() -> str | None:
+    """The source tree's commit, when it is a git checkout (None otherwise)."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def environment(device_name: str | None = None) -> dict[str, Any]:
+    import importlib.metadata as md
+
+    try:
+        torch_version = md.version("torch")
+    except md.PackageNotFoundError:
+        torch_version = None
+    return {
+        "env_torch_version": torch_version,
+        "env_python_version": platform.python_version(),
+        "env_harness_version": __version__,
+        "env_host": socket.gethostname(),
+        "env_git_revision": git_revision(),
+        "env_device_name": device_name,
+        "env_cpu_count": os.cpu_count(),
+        "env_slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "env_slurm_nodelist": os.environ.get("SLURM_JOB_NODELIST"),
+    }
+
+
+def estimate_fields(spec: RunSpec) -> dict[str, Any]:
+    """The torch engine's terms for the same spec (worst stage), for calibration."""
+    est = estimate(spec, engine="torch")
+    out = {f"est_{k}_bytes": est.worst.terms[k] for k in TERMS}
+    out["est_total_bytes"] = est.total_bytes
+    out["est_reserved_total_bytes"] = est.reserved_total_bytes
+    out["est_device_total_bytes"] = est.device_total_bytes
+    out["est_worst_stage"] = est.worst.stage
+    out["est_utilisation"] = est.utilisation
+    return out
+
+
+def base_record(spec: RunSpec) -> dict[str, Any]:
+    """Spec columns, config_id and the estimate (the estimate only for a valid spec)."""
+    try:
+        spec = canonical(spec)
+        cid, valid = config_id(spec), True
+    except ValueError:
+        cid, valid = raw_id(spec), False
+    row: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "config_id": cid, **flat(spec)}
+    if valid:
+        row.update(estimate_fields(spec))
+    return row
+
+
+def invalid_record(spec: RunSpec, reason: str) -> dict[str, Any]:
+    return {**base_record(spec), **environment(), "status": "invalid", "error": reason}
+
+
+def step_timing(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The step's timing fields from the ranks that finished.
+
+    - ``step_time_s``: the slowest rank's median step (the others wait for it in the step's collectives,
+      so its median is the job's step time).
+    - ``step_times_s``: that rank's timed steps, in order, in seconds.
+    - ``step_time_rank``: which rank that is.
+    - ``step_time_spread``: the relative range of those steps, (max - min) / median, NaN with fewer than
+      two timed steps. The range rather than a standard deviation: a study times 3-5 steps, too few for
+      a standard deviation to mean much, and the range is what a comparison must beat: two layouts whose
+      median step times differ by less than their spread are not told apart by the measurement.
+    """
+    slowest = max(ranks, key=lambda r: r["step_time_s"])
+    times = [float(t) for t in slowest.get("step_times_s", [])]
+    spread = (max(times) - min(times)) / statistics.median(times) if len(times) >= 2 else math.nan
+    return {
+        "step_time_s": slowest["step_time_s"],
+        "step_times_s": times,
+        "step_time_rank": slowest["rank"],
+        "step_time_spread": spread,
+    }
+
+
+def finish_record(
+    spec: RunSpec,
+    ranks: list[dict[str, Any]],
+    *,
+    status: str,
+    error: str | None,
+    error_rank: int | None,
+    exit_code: int | None,
+    wall_s: float,
+    device_name: str,
+    launch_tasks: int = 1,
+    launch_hosts: list[str] | None = None,
+) -> dict[str, Any]:
+    """Assemble the record of a launched point from every rank's numbers. ``launch_tasks``: how many
+    supervisors (one per node on a cluster) forked the ranks; ``launch_hosts``: the nodes that reported."""
+    spec = canonical(spec)
+    row = {**base_record(spec), **environment(device_name)}
+    row.update(status=status, error=error, error_rank=error_rank, exit_code=exit_code, wall_s=wall_s)
+    row.update(launch_tasks=launch_tasks, launch_hosts=launch_hosts)
+    done = [r for r in ranks if "peak_allocated_bytes" in r]
+    row["per_rank_peak_bytes"] = [
+        r.get("peak_allocated_bytes") for r in sorted(ranks, key=lambda r: r["rank"])
+    ]
+    row["oom_source"] = None
+    if done:
+        worst = max(done, key=lambda r: r["peak_allocated_bytes"])
+        row["peak_allocated_bytes"] = worst["peak_allocated_bytes"]
+        row["worst_rank"] = worst["rank"]
+        row["memory_method"] = worst["memory_method"]
+        row["tracker_peak_bytes"] = worst.get("tracker_peak_bytes")  # CPU: MemTracker's own peak
+        for key in (
+            "peak_reserved_bytes",
+            "peak_active_bytes",
+            "device_used_bytes",
+            "num_alloc_retries",
+            "num_ooms",
+        ):
+            values = [r[key] for r in done if key in r]
+            row[key] = max(values) if values else None
+        # The caching-allocator replay of each rank's own trace (harness/alloc): the rank whose
+        # simulated reserved peak is highest, with its fragmentation (reserved - allocated there).
+        simulated = [r for r in done if r.get("sim_peak_reserved_bytes") is not None]
+        if simulated:
+            top = max(simulated, key=lambda r: r["sim_peak_reserved_bytes"])
+            row["sim_peak_reserved_bytes"] = top["sim_peak_reserved_bytes"]
+            row["sim_fragmentation_bytes"] = top["sim_fragmentation_bytes"]
+            row["sim_peak_allocated_bytes"] = max(r["sim_peak_allocated_bytes"] for r in simulated)
+        traces = [r["trace_file"] for r in sorted(done, key=lambda r: r["rank"]) if r.get("trace_file")]
+        snapshots = [r["memory_snapshot"] for r in ranks if r.get("memory_snapshot")]
+        row["trace_files"] = traces or None
+        row["memory_snapshots"] = snapshots or None
+        for name, value in worst.get("categories", {}).items():
+            row[f"mem_{name}_bytes"] = value
+        row.update(step_timing(done))
+        step = row["step_time_s"]
+        losses = done[0]["losses"]
+        row.update(loss=losses[-1] if losses else None, losses=losses)
+        flops = model_flops_per_step(spec, convention=FLOPS_CONVENTION)
+        row["model_flops_per_step"] = flops
+        row["flops_convention"] = FLOPS_CONVENTION
+        row["tokens_per_s"] = spec.global_batch_size * spec.train.seq_len / step
+        row["tflops_per_device"] = flops / (step * spec.parallel.world) / 1e12
+        cpu_peak = next((r["cpu_peak_tflops"] for r in done if "cpu_peak_tflops" in r), None)
+        peak = (
+            cpu_peak
+            if spec.device.name == "cpu"
+            else (spec.device.peak_tflops or peak_tflops_for(device_name))
+        )
+        row["mfu_reference_tflops"] = peak
+        row["mfu"] = row["tflops_per_device"] / peak if peak and not math.isnan(peak) else math.nan
+        if (
+            status == "ok"
+            and spec.device.name == "cpu"
+            and worst["peak_allocated_bytes"] > spec.device.memory_bytes
+        ):
+            # Out of memory on CPU is simulated against the preset's capacity; the peak is kept.
+            row["status"] = "oom"
+            row["oom_source"] = "simulated"
+            row["error"] = (
+                f"simulated: peak {worst['peak_allocated_bytes']} B on rank {worst['rank']} > capacity "
+                f"{spec.device.memory_bytes} B ({spec.device.memory_gib} GiB)"
+            )
+    if status == "oom":
+        row["oom_source"] = "cuda"
+    return row

@@ -1,0 +1,60 @@
+"""The one description of a training configuration: frozen specs (``types``), their single validation
+(``validate``), their canonical form and ``config_id`` (``identity``), and Hugging Face config.json reading
+(``hf_config``).
+
+May import: the standard library only. Everything else in harness imports from here.
+"""
+
+from harness.spec.identity import (
+    canonical,
+    canonical_form,
+    config_id,
+    flat,
+    from_dict,
+    from_flat,
+    raw_id,
+    spec_id,
+)
+from harness.spec.types import (
+    ADDED_FIELD_DEFAULTS,
+    ATTENTION,
+    CONFIG_ID_VERSION,
+    PP_SCHEDULES,
+    PRECISIONS,
+    RECOMPUTE,
+    RECOMPUTE_METHODS,
+    DeviceSpec,
+    InvalidSpec,
+    ModelSpec,
+    ParallelSpec,
+    RunSpec,
+    TrainSpec,
+)
+from harness.spec.validate import layout_problems, problems, type_problems
+
+__all__ = [
+    "ADDED_FIELD_DEFAULTS",
+    "ATTENTION",
+    "CONFIG_ID_VERSION",
+    "PP_SCHEDULES",
+    "PRECISIONS",
+    "RECOMPUTE",
+    "RECOMPUTE_METHODS",
+    "DeviceSpec",
+    "InvalidSpec",
+    "ModelSpec",
+    "ParallelSpec",
+    "RunSpec",
+    "TrainSpec",
+    "canonical",
+    "canonical_form",
+    "config_id",
+    "flat",
+    "from_dict",
+    "from_flat",
+    "layout_problems",
+    "problems",
+    "raw_id",
+    "spec_id",
+    "type_problems",
+]

@@ -1,0 +1,170 @@
+"""A spec's canonical form, its flat record fields, and the stable ``config_id`` that two spellings of
+the same run share."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import fields
+from typing import Any
+
+from harness.spec.types import (
+    ADDED_FIELD_DEFAULTS,
+    CONFIG_ID_VERSION,
+    DeviceSpec,
+    InvalidSpec,
+    ModelSpec,
+    ParallelSpec,
+    RunSpec,
+    TrainSpec,
+)
+from harness.spec.validate import problems
+
+
+def canonical(spec: RunSpec) -> RunSpec:
+    """Validate ``spec`` and return its canonical form; raise :class:`InvalidSpec` with every reason.
+
+    The canonical form resolves ``dp``/``world_size`` and resets fields that have no effect, so that
+    the same run spelled two ways gets one ``config_id``: ``pp_schedule``/``virtual_stages`` when
+    pp = 1, ``sequence_parallel`` when tp = 1, ``cp_load_balance`` when cp = 1; and it resolves
+    ``num_microbatches`` None to pp; ``recompute_every`` and ``recompute_method`` when recompute is not
+    full; and Megatron's methods where they checkpoint every block alone, as ``every`` 1 does: ``uniform``
+    with N = 1, ``block`` with N at least the layers of a model chunk (L/(pp·virtual_stages)).
+    """
+    reasons = problems(spec)
+    if reasons:
+        raise InvalidSpec(reasons)
+    return canonical_form(spec)
+
+
+def canonical_form(spec: RunSpec) -> RunSpec:
+    """The canonical form of a spec that has already passed :func:`problems` (no re-validation)."""
+    p = spec.parallel
+    dp = p.dp if p.dp is not None else p.world_size // (p.tp * p.pp * p.cp)
+    p = dataclasses.replace(
+        p,
+        dp=dp,
+        world_size=dp * p.tp * p.pp * p.cp,
+        pp_schedule=p.pp_schedule if p.pp > 1 else "1f1b",
+        virtual_stages=p.virtual_stages if p.pp > 1 else 1,
+        sequence_parallel=p.sequence_parallel if p.tp > 1 else False,
+        cp_load_balance=p.cp_load_balance if p.cp > 1 else False,
+    )
+    t = spec.train
+    if t.num_microbatches is None:
+        t = dataclasses.replace(t, num_microbatches=p.pp)
+    chunk_layers = spec.model.num_layers // (p.pp * p.virtual_stages)
+    if t.recompute != "full" or (
+        (t.recompute_method == "uniform" and t.recompute_every == 1)
+        or (t.recompute_method == "block" and t.recompute_every >= chunk_layers)
+    ):
+        t = dataclasses.replace(t, recompute_every=1, recompute_method="every")
+    return dataclasses.replace(spec, parallel=p, train=t)
+
+
+def flat(spec: RunSpec) -> dict[str, Any]:
+    """The spec as record columns: ``model_hidden_size``, ``parallel_tp``, ``train_seq_len``, …"""
+    out: dict[str, Any] = {}
+    for section in ("model", "parallel", "train", "device"):
+        for key, value in dataclasses.asdict(getattr(spec, section)).items():
+            out[f"{section}_{key}"] = value
+    return out
+
+
+def config_id(spec: RunSpec) -> str:
+    """Stable 16-hex-digit id of the canonical spec (model shape, layout, training shape, device).
+
+    The model and device are hashed by their fields, not their preset names, so renaming a preset
+    keeps ids; the device's interconnect figures (used only to rank layouts) are left out.
+    """
+    spec = canonical(spec)
+    payload = {
+        "v": CONFIG_ID_VERSION,
+        "model": {k: v for k, v in dataclasses.asdict(spec.model).items() if k != "name"},
+        "parallel": _hashed("parallel", spec.parallel),
+        "train": _hashed("train", spec.train),
+        "device": {"name": spec.device.name, "memory_gib": float(spec.device.memory_gib)},
+    }
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _hashed(section: str, part: Any) -> dict[str, Any]:
+    """A section's fields as hashed: an added field is left out while it holds its default."""
+    defaults = ADDED_FIELD_DEFAULTS.get(section, {})
+    return {
+        k: v
+        for k, v in dataclasses.asdict(part).items()
+        if not (k in defaults and v == defaults[k] and type(v) is type(defaults[k]))
+    }
+
+
+def raw_id(spec: RunSpec) -> str:
+    """An id for a spec that may be invalid: the hash of its fields as given (prefixed ``x``), so an
+    invalid point's row is found again on resume."""
+    sections = {s: _hashed(s, getattr(spec, s)) for s in ("model", "parallel", "train", "device")}
+    text = json.dumps({"v": CONFIG_ID_VERSION, **sections}, sort_keys=True, default=str)
+    return "x" + hashlib.sha256(text.encode()).hexdigest()[:15]
+
+
+def spec_id(spec: RunSpec) -> str:
+    """:func:`config_id` of a valid spec, :func:`raw_id` of an invalid one: the id its row is filed under."""
+    try:
+        return config_id(spec)
+    except InvalidSpec:
+        return raw_id(spec)
+
+
+def from_dict(data: dict[str, Any]) -> RunSpec:
+    """Build a RunSpec from plain nested dicts (the CLI's composed config); unknown keys are an error."""
+    built = {}
+    for section, cls in (
+        ("model", ModelSpec),
+        ("parallel", ParallelSpec),
+        ("train", TrainSpec),
+        ("device", DeviceSpec),
+    ):
+        given = dict(data.get(section) or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise InvalidSpec(
+                [f"unknown key {section}.{k} (known: {', '.join(sorted(known))})" for k in unknown]
+            )
+        missing = [f.name for f in fields(cls) if f.name not in given and f.default is dataclasses.MISSING]
+        if missing:
+            raise InvalidSpec([f"missing key {section}.{k}" for k in missing])
+        built[section] = cls(**given)
+    return RunSpec(**built)
+
+
+def from_flat(row: dict[str, Any]) -> RunSpec:
+    """The inverse of :func:`flat`: a RunSpec from a record's columns (``parallel_tp``, …). A column a
+    table stores as float because some rows are null (NaN) comes back as the field's int or None; an
+    added field (``ADDED_FIELD_DEFAULTS``) that is missing or null takes its default."""
+    data: dict[str, dict[str, Any]] = {}
+    for section, cls in (
+        ("model", ModelSpec),
+        ("parallel", ParallelSpec),
+        ("train", TrainSpec),
+        ("device", DeviceSpec),
+    ):
+        given = {}
+        for f in fields(cls):
+            key = f"{section}_{f.name}"
+            if key not in row:
+                continue
+            value = row[key]
+            if hasattr(value, "item"):  # numpy scalar
+                value = value.item()
+            types = (f.type if isinstance(f.type, str) else f.type.__name__).replace(" ", "").split("|")
+            if isinstance(value, float) and value != value:  # NaN: a null in a float column
+                value = None
+            elif isinstance(value, float) and "int" in types and value.is_integer():
+                value = int(value)
+            if value is None and ADDED_FIELD_DEFAULTS.get(section, {}).get(f.name) is not None:
+                continue  # an added field's null: a row written before it existed, beside newer rows
+            given[f.name] = value
+        data[section] = given
+    return from_dict(data)

@@ -1,0 +1,156 @@
+"""The frozen specs of one training configuration (model, parallel, train, device) and their allowed values.
+
+Everything below the CLI (estimator, runner, store) takes these dataclasses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+# none; selective: the attention core (Korthikanti et al. 2022); op: torchtitan's op-level policy (the
+# outputs of matmuls, every second one excepted, and of the attention kernels are kept, the rest
+# recomputed); full: whole transformer blocks (every ``recompute_every``-th one, or Megatron's methods).
+RECOMPUTE = ("none", "selective", "op", "full")
+# Which blocks full recomputation checkpoints, N = ``recompute_every`` (per pipeline stage / virtual
+# chunk): every: every N-th block (torchtitan's layer option); uniform: groups of N consecutive blocks,
+# each checkpointed as one unit; block: the first N blocks one by one, the rest not recomputed (Megatron's
+# ``--recompute-method uniform|block --recompute-num-layers N``).
+RECOMPUTE_METHODS = ("every", "uniform", "block")
+PRECISIONS = ("bf16", "fp32")
+ATTENTION = ("flash", "math")
+# Fields added after the first study, left out of the hashed payload (config_id, raw_id) while they hold
+# this default, so that every spec that existed before keeps its id.
+ADDED_FIELD_DEFAULTS = {
+    "train": {"recompute_every": 1, "recompute_method": "every"},
+    # The device's memory-beside-tensors constants and step-time figures: config_id hashes only the
+    # device's name and capacity; raw_id (invalid points) leaves them out while they hold the default.
+    "device": {
+        "cuda_context_mib": 0.0,
+        "nccl_mib_per_communicator": 0.0,
+        "cublas_workspace_mib": 0.0,
+        "nccl_channels": 0,
+        "nccl_buffsize_mib": None,
+        "memory_gbps": None,
+        "link_latency_us": None,
+        "inter_node_latency_us": None,
+    },
+}
+# Bumped whenever the canonical form or the hashed fields change: old results then get new ids
+# instead of silently matching runs of a different meaning.
+CONFIG_ID_VERSION = 1
+
+
+class InvalidSpec(ValueError):
+    """A configuration that cannot run; the message lists every reason with its arithmetic."""
+
+    def __init__(self, reasons: list[str]):
+        self.reasons = list(reasons)
+        super().__init__("; ".join(self.reasons))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A Llama-architecture decoder: RMSNorm, RoPE, GQA attention, SwiGLU MLP, no biases."""
+
+    name: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+    tie_embeddings: bool = False
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    """Degrees of the four axes and how each is realised; world = dp·tp·pp·cp.
+
+    ``world_size`` is optional: when given it must equal the product of the degrees, and when ``dp`` is
+    ``None`` it is derived from it (``dp = world_size / (tp·pp·cp)``) by :func:`canonical`.
+    """
+
+    dp: int | None = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    zero_stage: int = 0
+    sequence_parallel: bool = True
+    pp_schedule: str = "1f1b"
+    virtual_stages: int = 1
+    cp_load_balance: bool = True
+    world_size: int | None = None
+
+    @property
+    def world(self) -> int:
+        """Number of ranks (requires a resolved ``dp``)."""
+        return self.dp * self.tp * self.pp * self.cp
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """The shape of one optimizer step: micro-batch of ``micro_batch_size`` sequences of ``seq_len``
+    tokens, ``num_microbatches`` of them per data-parallel rank (gradient accumulation or pipeline).
+    ``num_microbatches`` None means one per pipeline stage, the fewest that fill a 1F1B pipeline
+    (resolved by :func:`canonical`)."""
+
+    seq_len: int = 256
+    micro_batch_size: int = 1
+    num_microbatches: int | None = None
+    recompute: str = "none"
+    # With recompute=full, only every N-th transformer block is checkpointed (torchtitan's layer option
+    # ``selective_ac_option=N``); 1 = every block. Reset to 1 by :func:`canonical` under other modes.
+    recompute_every: int = 1
+    # With recompute=full, which blocks N (``recompute_every``) selects: "every" N-th (torchtitan), or
+    # Megatron's "uniform" (groups of N blocks per checkpoint) or "block" (the first N blocks), N being
+    # Megatron's ``--recompute-num-layers``. Reset to "every" by :func:`canonical` under other modes.
+    recompute_method: str = "every"
+    precision: str = "bf16"
+    attention: str = "flash"
+    steps: int = 3
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A device preset: capacity in GiB (2^30 bytes), dense BF16 peak in TFLOP/s (None = unknown), links,
+    and the memory a process uses beside its tensors (none of these but ``name`` and ``memory_gib`` enter
+    the ``config_id``)."""
+
+    name: str
+    memory_gib: float
+    peak_tflops: float | None = None
+    gpus_per_node: int = 8
+    intra_node_gbps: float | None = None
+    inter_node_gbps: float | None = None
+    # Memory beside the tensors (harness/estimate/levels.py), cited in each preset: the CUDA context and
+    # NCCL's buffers live outside the caching allocator, cuBLAS's workspaces inside it. 0 on the CPU.
+    cuda_context_mib: float = 0.0
+    nccl_mib_per_communicator: float = 0.0
+    cublas_workspace_mib: float = 0.0
+    # What nccl_mib_per_communicator is made of, so that another NCCL_BUFFSIZE can be estimated: ring
+    # channels per communicator, and the buffer size in MiB (None: NCCL's default, 4 MiB).
+    nccl_channels: int = 0
+    nccl_buffsize_mib: float | None = None
+    # For the step-time model only (harness/estimate/steptime.py), like the links: not in config_id.
+    memory_gbps: float | None = None
+    link_latency_us: float | None = None
+    inter_node_latency_us: float | None = None  # a group spanning nodes (None: link_latency_us)
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_gib * 2**30)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One point of a study: what runs (model, parallel, train) and where (device)."""
+
+    model: ModelSpec
+    parallel: ParallelSpec
+    train: TrainSpec
+    device: DeviceSpec
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step over all data-parallel ranks (of a canonical spec)."""
+        return self.parallel.dp * self.train.micro_batch_size * self.train.num_microbatches

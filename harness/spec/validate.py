@@ -1,0 +1,161 @@
+"""The single validation of a spec: every reason it cannot run, with the arithmetic in the message."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from harness.spec.types import ATTENTION, PP_SCHEDULES, PRECISIONS, RECOMPUTE, RECOMPUTE_METHODS, RunSpec
+
+
+def _field_type_problems(spec: Any, section: str) -> list[str]:
+    """Fields whose value has the wrong type (a YAML typo shows up here, not deep in the arithmetic)."""
+    out = []
+    for f in fields(spec):
+        value = getattr(spec, f.name)
+        allowed = f.type if isinstance(f.type, str) else f.type.__name__
+        kinds = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
+        ok = False
+        for alt in allowed.replace(" ", "").split("|"):
+            if alt == "None" and value is None:
+                ok = True
+            elif alt in kinds and isinstance(value, kinds[alt]):
+                # bool is an int in Python; an int field given true/false is a mistake.
+                ok = not (alt in ("int", "float") and isinstance(value, bool))
+            if ok:
+                break
+        if not ok:
+            out.append(f"{section}.{f.name}={value!r} must be {allowed}")
+    return out
+
+
+def _positive(section: str, spec: Any, names: tuple[str, ...]) -> list[str]:
+    values = [getattr(spec, n) for n in names]
+    if min(values) >= 1:
+        return []
+    return [f"{section}.{n}={v} must be >= 1" for n, v in zip(names, values, strict=True) if v < 1]
+
+
+def type_problems(spec: RunSpec) -> list[str]:
+    """Fields of ``spec`` whose value has the wrong type."""
+    return [
+        reason
+        for section in ("model", "parallel", "train", "device")
+        for reason in _field_type_problems(getattr(spec, section), section)
+    ]
+
+
+def problems(spec: RunSpec) -> list[str]:
+    """Every reason why ``spec`` cannot run, each with the arithmetic that shows it (empty if valid)."""
+    # Arithmetic on wrongly typed values would only add noise.
+    return type_problems(spec) or layout_problems(spec)
+
+
+def layout_problems(spec: RunSpec) -> list[str]:
+    """:func:`problems` for a spec whose fields are known to have the right types (``plan`` checks the
+    types of its base spec once, then the arithmetic of each candidate)."""
+    m, p, t = spec.model, spec.parallel, spec.train
+    microbatches = p.pp if t.num_microbatches is None else t.num_microbatches
+    out = _positive(
+        "model",
+        m,
+        ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size"),
+    )
+    out += _positive("parallel", p, ("tp", "pp", "cp", "virtual_stages"))
+    out += _positive("train", t, ("seq_len", "micro_batch_size", "steps", "recompute_every"))
+    if isinstance(t.steps, int) and t.steps == 1:
+        out.append(
+            "train.steps=1 must be >= 2 (a warm-up step: AdamW state appears at the first; then timed steps)"
+        )
+    if t.num_microbatches is not None and t.num_microbatches < 1:
+        out.append(f"train.num_microbatches={t.num_microbatches} must be >= 1 (or null: one per stage)")
+    if p.dp is not None and p.dp < 1:
+        out.append(f"parallel.dp={p.dp} must be >= 1")
+    if p.world_size is not None and p.world_size < 1:
+        out.append(f"parallel.world_size={p.world_size} must be >= 1")
+    if spec.device.memory_gib <= 0:
+        out.append(f"device.memory_gib={spec.device.memory_gib} must be > 0")
+    if out:
+        return out
+
+    # Model shape.
+    if m.hidden_size % m.num_heads:
+        out.append(
+            f"hidden_size {m.hidden_size} % num_heads {m.num_heads} = {m.hidden_size % m.num_heads} ≠ 0"
+        )
+    if m.num_heads % m.num_kv_heads:
+        out.append(f"num_heads {m.num_heads} % num_kv_heads {m.num_kv_heads} ≠ 0 (GQA groups must be whole)")
+
+    # Degrees against the world size.
+    rest = p.tp * p.pp * p.cp
+    if p.dp is None:
+        if p.world_size is None:
+            out.append("parallel.dp is null and parallel.world_size is not set: one of them is needed")
+        elif p.world_size % rest:
+            out.append(
+                f"world_size {p.world_size} is not divisible by tp·pp·cp = {p.tp}·{p.pp}·{p.cp} = {rest}"
+            )
+    elif p.world_size is not None and p.dp * rest != p.world_size:
+        out.append(f"dp·tp·pp·cp = {p.dp}·{p.tp}·{p.pp}·{p.cp} = {p.dp * rest} ≠ world_size {p.world_size}")
+
+    # Tensor parallel shards heads, KV heads and the vocabulary.
+    for what, n in (
+        ("num_heads", m.num_heads),
+        ("num_kv_heads", m.num_kv_heads),
+        ("ffn_hidden_size", m.ffn_hidden_size),
+        ("vocab_size", m.vocab_size),
+    ):
+        if n % p.tp:
+            out.append(f"{what} {n} % tp {p.tp} = {n % p.tp} ≠ 0")
+
+    # Pipeline: whole layers per (virtual) stage, enough micro-batches to fill the schedule.
+    if p.pp_schedule not in PP_SCHEDULES:
+        out.append(f"parallel.pp_schedule={p.pp_schedule!r} must be one of {', '.join(PP_SCHEDULES)}")
+    chunks = p.pp * p.virtual_stages
+    if m.num_layers % chunks:
+        out.append(
+            f"num_layers {m.num_layers} % (pp·virtual_stages = {p.pp}·{p.virtual_stages} = {chunks}) "
+            f"= {m.num_layers % chunks} ≠ 0"
+        )
+    if p.virtual_stages > 1 and p.pp_schedule != "interleaved_1f1b":
+        out.append(
+            f"virtual_stages {p.virtual_stages} > 1 needs pp_schedule=interleaved_1f1b, not {p.pp_schedule}"
+        )
+    if p.pp_schedule == "interleaved_1f1b":
+        if p.virtual_stages < 2:
+            out.append("pp_schedule=interleaved_1f1b needs virtual_stages >= 2 (with 1 it is plain 1f1b)")
+        if p.pp < 2:
+            out.append("pp_schedule=interleaved_1f1b needs pp >= 2")
+        elif microbatches % p.pp:
+            # Megatron's rule; torch's Interleaved1F1B accepts a few more counts, but the in-flight
+            # accounting of the estimator (Narayanan et al. 2021) assumes whole rounds.
+            out.append(
+                f"interleaved_1f1b needs num_microbatches % pp = 0: {microbatches} % {p.pp} "
+                f"= {microbatches % p.pp}"
+            )
+    if p.pp > 1 and p.pp_schedule == "1f1b" and microbatches < p.pp:
+        out.append(f"1f1b needs num_microbatches >= pp: {microbatches} < {p.pp}")
+
+    # Context parallel splits the sequence (in 2·cp chunks when head–tail load-balanced), sequence
+    # parallel splits each context shard again by tp.
+    cp_chunks = 2 * p.cp if (p.cp > 1 and p.cp_load_balance) else p.cp
+    if t.seq_len % cp_chunks:
+        how = "2·cp" if cp_chunks != p.cp else "cp"
+        out.append(f"seq_len {t.seq_len} % ({how} = {cp_chunks}) = {t.seq_len % cp_chunks} ≠ 0")
+    elif p.tp > 1 and p.sequence_parallel and (t.seq_len // p.cp) % p.tp:
+        out.append(
+            f"sequence parallel needs (seq_len/cp) % tp = 0: ({t.seq_len}/{p.cp}) % {p.tp} "
+            f"= {(t.seq_len // p.cp) % p.tp}"
+        )
+
+    if p.zero_stage not in (0, 1, 2, 3):
+        out.append(f"parallel.zero_stage={p.zero_stage} must be 0, 1, 2 or 3")
+    for name, value, allowed in (
+        ("train.recompute", t.recompute, RECOMPUTE),
+        ("train.recompute_method", t.recompute_method, RECOMPUTE_METHODS),
+        ("train.precision", t.precision, PRECISIONS),
+        ("train.attention", t.attention, ATTENTION),
+    ):
+        if value not in allowed:
+            out.append(f"{name}={value!r} must be one of {', '.join(allowed)}")
+    return out

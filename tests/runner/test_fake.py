@@ -1,0 +1,694 @@
+"""`harness run run.mode=fake`: which ranks are traced, the record, every layout the runner supports, and
+CUDA's kernels' memory where it differs from the CPU's (harness/runner/fake/kernels.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import weakref
+
+import pytest
+from conftest import harness_cli, in_fresh_process, spec
+
+from harness.runner.fake.ranks import _zero1_worst_rank, rank_of, traced_ranks, uneven_tp
+from harness.runner.fake.run import fake_record, run_fake
+from harness.runner.fake.trace import MEMORY_METHOD
+
+MIB = 2**20
+
+
+# --- which ranks ---------------------------------------------------------------------------------
+
+
+def test_one_traced_rank_per_pipeline_stage():
+    # mesh (pp, dp, cp, tp) = (4, 2, 1, 2): stage s starts at rank s·dp·cp·tp = 4s.
+    s = spec("small", parallel_pp=4, parallel_dp=2, parallel_tp=2, train_num_microbatches=4)
+    assert traced_ranks(s) == [0, 4, 8, 12]
+    assert rank_of(s, stage=1, dp=1, tp=1) == 4 + 2 + 1
+
+
+def test_uneven_tensor_parallel_shards_add_the_last_tp_rank():
+    s = spec("tiny", parallel_tp=2)
+    assert not uneven_tp(s)
+    odd = dataclasses.replace(s, model=dataclasses.replace(s.model, vocab_size=4097))
+    assert uneven_tp(odd)
+    assert traced_ranks(odd) == [0, 1]  # tp rank 0 and tp rank 1 of the one stage
+
+
+def test_zero1_traces_the_rank_with_the_largest_partition():
+    s = spec("tiny", parallel_dp=4, parallel_zero_stage=1)
+    coords = {"pp": 0, "dp": 0, "cp": 0, "tp": 0}
+    # dp rank 2 holds the most parameters: it is traced too; when rank 0 holds the most, nothing is added.
+    assert _zero1_worst_rank(s, {"rank": 0, "coords": coords, "zero1_partition_numel": [5, 6, 9, 6]}) == 2
+    assert _zero1_worst_rank(s, {"rank": 0, "coords": coords, "zero1_partition_numel": [9, 6, 9, 6]}) is None
+
+
+# --- the record ----------------------------------------------------------------------------------
+
+
+def _traced(rank, peak):
+    return {"rank": rank, "peak_allocated_bytes": peak, "memory_method": MEMORY_METHOD, "categories": {}}
+
+
+def test_record_over_capacity_is_a_fake_oom_with_its_peak_and_no_timing():
+    s = spec("tiny")  # device cpu: 1 GiB
+    row = fake_record(s, [_traced(0, 2 * 2**30)], wall_s=1.0, timeout_s=10)
+    assert (row["status"], row["oom_source"], row["peak_allocated_bytes"]) == ("oom", "fake", 2 * 2**30)
+    assert "step_time_s" not in row and "mfu" not in row
+    ok = fake_record(s, [_traced(0, 3 * MIB), _traced(4, 5 * MIB)], wall_s=1.0, timeout_s=10)
+    assert (ok["status"], ok["worst_rank"], ok["fake_traced_ranks"]) == ("ok", 4, [0, 4])
+
+
+def test_an_untraceable_rank_makes_the_point_invalid_with_the_reason():
+    row = fake_record(spec("tiny"), [{"rank": 0, "error": "RuntimeError: boom"}], wall_s=1.0, timeout_s=10)
+    assert row["status"] == "invalid"
+    assert "fake mode cannot trace rank 0: RuntimeError: boom" in row["error"]
+
+
+def test_layouts_the_runner_refuses_are_invalid_before_tracing():
+    s = spec("tiny", parallel_pp=2, parallel_dp=2, parallel_zero_stage=1, train_num_microbatches=2)
+    row = run_fake(s)
+    assert row["status"] == "invalid" and "zero_stage 1" in row["error"]
+
+
+def test_harness_run_fake_prints_a_normal_row():
+    out = harness_cli(
+        "run", "run.mode=fake", "model=tiny", "parallel.dp=2", "parallel.zero_stage=3", "format=json"
+    )
+    assert out.returncode == 0, out.stderr
+    row = json.loads(out.stdout)
+    assert (row["status"], row["memory_method"], row["fake_traced_ranks"]) == ("ok", MEMORY_METHOD, [0])
+    assert row["mem_params_bytes"] == row["est_params_bytes"]  # FSDP: the FP32 shard, 4 B × n / 2
+    assert "step_time_s" not in row
+    # The traced storages, replayed through the caching-allocator model, as a real CPU run's are: the
+    # same requests rounded to 512 B (within 1 % of MemTracker's peak), in segments that hold them.
+    assert (
+        row["peak_allocated_bytes"] <= row["sim_peak_allocated_bytes"] <= 1.01 * row["peak_allocated_bytes"]
+    )
+    assert row["sim_peak_reserved_bytes"] - row["sim_peak_allocated_bytes"] <= row["sim_fragmentation_bytes"]
+    assert row["sim_peak_reserved_bytes"] >= row["sim_peak_allocated_bytes"]
+    bad = harness_cli("run", "run.mode=dream", "model=tiny")
+    assert bad.returncode == 2 and "run.mode" in bad.stderr
+
+
+# --- every layout ----------------------------------------------------------------------------------
+
+LAYOUTS = {
+    "ddp": {"parallel_dp": 2, "parallel_zero_stage": 0},
+    "ddp_zero1": {"parallel_dp": 2, "parallel_zero_stage": 1},
+    "ddp_tp": {"parallel_dp": 2, "parallel_tp": 2, "parallel_zero_stage": 0},
+    "fsdp_dp_tp": {"parallel_dp": 2, "parallel_tp": 2, "parallel_zero_stage": 3},
+    "fsdp_dp_cp": {"parallel_dp": 2, "parallel_cp": 2, "parallel_zero_stage": 2},
+    "cp_balanced": {"parallel_cp": 2, "parallel_cp_load_balance": True},
+    "pp_1f1b_dp": {"parallel_pp": 2, "parallel_dp": 2, "train_num_microbatches": 2},
+    "pp_gpipe": {"parallel_pp": 2, "parallel_pp_schedule": "gpipe", "train_num_microbatches": 2},
+    "pp_interleaved": {
+        "parallel_pp": 2,
+        "parallel_pp_schedule": "interleaved_1f1b",
+        "parallel_virtual_stages": 2,
+        "train_num_microbatches": 2,
+    },
+    # Megatron's uniform method: groups of blocks under one checkpoint, inside FSDP2's per-block units
+    "fsdp_recompute_uniform": {
+        "parallel_dp": 2,
+        "parallel_zero_stage": 3,
+        "train_recompute": "full",
+        "train_recompute_every": 2,
+        "train_recompute_method": "uniform",
+    },
+}
+
+
+def _trace(s, rank):
+    from harness.runner.fake.trace import trace_rank
+
+    return {"rank": rank, **trace_rank(s, rank)}
+
+
+def _trace_all(s):
+    """The record run_fake makes, each rank traced in a spawned process of its own (as run_fake forks
+    one: a fake mode's tensors must not meet another's)."""
+    ranks = [in_fresh_process(_trace, s, r) for r in traced_ranks(s)]
+    return fake_record(s, ranks, wall_s=0.0, timeout_s=60), ranks
+
+
+FAST = ("ddp", "fsdp_dp_tp", "pp_1f1b_dp")  # the rest (each 6-25 s here) run with -m slow
+
+
+@pytest.mark.parametrize(
+    "name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in LAYOUTS]
+)
+def test_every_runner_layout_is_traced(name):
+    s = spec("tiny", train_seq_len=128, **LAYOUTS[name])
+    row, ranks = _trace_all(s)
+    assert row["status"] == "ok", row["error"]
+    assert [r["coords"]["pp"] for r in ranks] == list(range(s.parallel.pp))
+    # Every rank holds optimizer state (DDP + TP's parameters, swapped to local tensors by
+    # _pre_dp_module_transform, are counted as "other" rather than "params", as in a real CPU run).
+    assert all(r["categories"]["optimizer"] > 0 for r in ranks)
+    assert all(r["peak_allocated_bytes"] > r["categories"]["optimizer"] for r in ranks)
+    if name == "ddp_zero1":
+        assert len(ranks[0]["zero1_partition_numel"]) == 2
+
+
+def test_ddp_buckets_are_the_gradients_and_are_rebuilt_once():
+    from harness.runner.fake.ddp import BUCKET_CAP_BYTES, bucket_sizes
+
+    class P:  # a parameter's size and dtype are all the assignment reads
+        def __init__(self, n):
+            self.n, self.dtype = n, "fp32"
+
+        def numel(self):
+            return self.n
+
+        def element_size(self):
+            return 4
+
+    params = [P(n) for n in (1000, 300_000, 4 * MIB, 7 * MIB, 10)]
+    # Reverse order; the first bucket closes past 1 MiB (10 + 7 Mi elements · 4 B), later ones past 25 MiB.
+    assert bucket_sizes(params) == [[4, 3], [2, 1, 0]]
+    assert 4 * MIB * 4 < BUCKET_CAP_BYTES
+
+
+@pytest.mark.slow
+def test_ddp_fake_run_matches_the_real_rank():
+    """The explicit buckets against the real reducer: a real CPU run's allocator peak (which sees the
+    C++ buckets) and the fake run of the same point."""
+    from harness.runner.dryrun import dry_run_peak
+    from harness.runner.supervisor import run_point
+
+    s = spec("small", train_precision="fp32", train_seq_len=256, train_micro_batch_size=2, parallel_dp=2)
+    real = run_point(s, timeout_s=240)
+    assert real["status"] == "ok", real["error"]
+    fake = in_fresh_process(dry_run_peak, s)["peak_allocated_bytes"]
+    assert fake == pytest.approx(real["per_rank_peak_bytes"][0], rel=0.03)
+
+
+# --- CUDA's kernels (fake_kernels.py), each difference pinned --------------------------------------
+
+
+def _saved_bytes(fn, *inputs) -> int:
+    """Bytes of the distinct storages autograd saves while ``fn(*inputs)`` runs forward."""
+    import torch
+
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        seen[st._cdata] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*inputs)
+    return sum(seen.values()), out
+
+
+class _Live:
+    """Live bytes of the storages created under it (fake tensors included) and their peak."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        live, state = {}, {"now": 0, "peak": 0}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                import torch
+
+                out = func(*args, **(kwargs or {}))
+                for t in out if isinstance(out, (tuple, list)) else [out]:
+                    if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in live:
+                        st = t.untyped_storage()
+                        live[st._cdata] = st.nbytes()
+                        state["now"] += st.nbytes()
+                        state["peak"] = max(state["peak"], state["now"])
+                        weakref.finalize(
+                            st, lambda k=st._cdata: state.__setitem__("now", state["now"] - live.pop(k))
+                        )
+                return out
+
+        self.mode, self.state = Mode(), state
+
+
+def test_rms_norm_saves_the_input_and_fp32_rstd_on_cuda_not_two_fp32_copies():
+    import torch
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from harness.runner.fake.kernels import cuda_kernels
+
+    s, h = 64, 128
+    with FakeTensorMode():
+        x = torch.empty(1, s, h, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.empty(h, dtype=torch.bfloat16, requires_grad=True)
+        cpu, _ = _saved_bytes(lambda: F.rms_norm(x, (h,), w, 1e-5))
+        with cuda_kernels():
+            cuda, out = _saved_bytes(lambda: F.rms_norm(x, (h,), w, 1e-5))
+            out.sum().backward()
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape
+    # CUDA (_fused_rms_norm): input 2 B·s·h + rstd 4 B·s + weight 2 B·h.
+    assert cuda == 2 * s * h + 4 * s + 2 * h
+    # CPU composite: FP32 upcast input and FP32 normalised tensor (4 + 4 B·s·h), rstd, weight.
+    assert cpu == 8 * s * h + 4 * s + 2 * h
+
+
+def test_flash_attention_saves_what_cpu_flash_saves_plus_philox_state():
+    import torch
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from harness.runner.fake.kernels import cuda_kernels
+
+    b, hq, hk, s, d = 1, 8, 2, 256, 64
+    with FakeTensorMode():
+        q = torch.empty(b, hq, s, d, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.empty(b, hk, s, d, dtype=torch.bfloat16, requires_grad=True)
+        v = torch.empty(b, hk, s, d, dtype=torch.bfloat16, requires_grad=True)
+
+        def attn():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        def backward_peak(kernels) -> int:
+            with kernels:
+                out = attn()
+                grad = torch.empty_like(out)
+                live = _Live()
+                with live.mode:
+                    out.backward(grad)
+            return live.state["peak"]
+
+        cpu, _ = _saved_bytes(attn)
+        with cuda_kernels():
+            cuda, _ = _saved_bytes(attn)
+        cpu_bwd = backward_peak(contextlib.nullcontext())
+        cuda_bwd = backward_peak(cuda_kernels())
+    # Both: q, k, v, out (bf16) and the FP32 logsumexp (b, hq, s); CUDA adds rng_state (16 B) + unused (8 B).
+    both = 2 * (2 * b * hq * s * d + 2 * b * hk * s * d) + 4 * b * hq * s
+    assert cpu == both
+    assert cuda == both + 16 + 8
+    # Flash's mha_bwd workspace beside dq, dk, dv: softmax_d FP32 (b, hq, 256), dq_accum FP32
+    # (b, 256, hq, 64) and the GQA-expanded dk, dv (b, s, hq, d) in bf16; the CPU kernel has none.
+    workspace = 4 * b * hq * 256 + 4 * b * 256 * hq * 64 + 2 * 2 * b * s * hq * d
+    grads = 2 * (b * hq * s * d + 2 * b * hk * s * d)
+    grad_out_copy = 2 * b * hq * s * d  # the incoming gradient, made contiguous for the (b, s, h, d) output
+    assert cuda_bwd == grads + grad_out_copy + workspace
+    assert cpu_bwd < cuda_bwd - workspace // 2
+
+
+def test_foreach_adamw_step_allocates_one_fp32_copy_of_the_states_on_either_device():
+    """No CUDA difference: the same _multi_tensor_adam runs; its one large intermediate is
+    _foreach_sqrt(exp_avg_sq) (harness/estimate/buffers.py optimizer_step)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        params = [torch.nn.Parameter(torch.empty(1000, 100)) for _ in range(3)]
+        opt = torch.optim.AdamW(params, foreach=True)
+        for q in params:
+            q.grad = torch.empty_like(q)
+        opt.step()  # the states appear
+        live = _Live()
+        with live.mode:
+            opt.step()
+    # 3 × 1000·100 FP32 elements = 1.2 MB, plus the step counters' scalars.
+    assert 4 * 300_000 <= live.state["peak"] < 4 * 300_000 + 4096
+
+
+def test_bf16_loss_upcast_is_the_same_with_cuda_kernels():
+    """The loss is FP32 by code (compose.loss_fn), not by kernel: 12 B per logit at its backward
+    (saved FP32 log-softmax, the FP32 gradient of it, the FP32 gradient of the upcast logits)."""
+    import torch
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from harness.runner.fake.kernels import cuda_kernels
+    from harness.runner.parallel.compose import loss_fn
+
+    s, v = 128, 1000
+    peaks = []
+    for kernels in (False, True):
+        with FakeTensorMode():
+            logits_in = torch.empty(1, s, 64, dtype=torch.bfloat16, requires_grad=True)
+            w = torch.empty(v, 64, dtype=torch.bfloat16, requires_grad=True)
+            tgt = torch.randint(0, v, (1, s))
+            live = _Live()
+            kernels_cm = cuda_kernels() if kernels else contextlib.nullcontext()
+            with kernels_cm, live.mode:
+                loss_fn(F.linear(logits_in, w), tgt).backward()
+            peaks.append(live.state["peak"])
+    assert peaks[0] == peaks[1]
+    assert peaks[0] >= 12 * s * v
+
+
+def test_torch_engine_counts_cuda_fused_rms_norm_on_gpu_presets():
+    """Issue 14's 8B gap: the engine counted the CPU composite norm's two tensors per norm on GPUs.
+    Llama-3-8B, s 8192, b 1, BF16: per layer 2 B · s·h · (12 + 4k/a + 8f/h) = 2 · 33,554,432 ·
+    (12 + 1 + 28)/2 = 41 B per s·h (ESTIMATOR.md 3's 41.0) on a GPU; on the CPU the engine keeps the
+    normalised output too, one more s·h tensor per norm."""
+    from harness.estimate import estimate
+
+    kw = {"parallel_dp": 8, "parallel_zero_stage": 3, "train_seq_len": 8192, "train_precision": "bf16"}
+    gpu = estimate(spec("llama3_8b", "h100_94gb", **kw)).worst.terms["activations"]
+    cpu = estimate(spec("llama3_8b", "cpu", **kw)).worst.terms["activations"]
+    sh = 8192 * 4096
+    assert gpu == 32 * 41 * sh
+    assert cpu - gpu == 32 * 2 * (2 * sh)  # 32 layers × 2 norms × one BF16 s·h tensor
+
+
+@pytest.mark.slow
+def test_cpu_and_cuda_kernels_differ_by_the_norms_on_a_moderate_point():
+    """Llama-3-8B cut to 2 layers, dp 8, ZeRO-3, s 8192, BF16 (7 s per trace here): the CPU kernels'
+    trace holds 12 B per s·h per layer more (two norms × (FP32 upcast + FP32 normalised − BF16 input)
+    = 2 × (4 + 4 − 2)), plus the final norm's 6 B per s·h."""
+    s = spec("llama3_8b", "h100_94gb", parallel_dp=8, parallel_zero_stage=3, train_seq_len=8192)
+    s = dataclasses.replace(s, model=dataclasses.replace(s.model, num_layers=2))
+    cpu = in_fresh_process(_trace_kernels, s, "cpu")
+    cuda = in_fresh_process(_trace_kernels, s, "cuda")
+    sh = 8192 * 4096
+    assert cpu - cuda == pytest.approx((2 * 12 + 6) * sh, rel=0.01)
+
+
+def _trace_kernels(s, kernels):
+    from harness.runner.fake.trace import trace_rank
+
+    return trace_rank(s, 0, kernels=kernels)["peak_allocated_bytes"]
+
+
+def test_torch_engine_holds_the_fp32_gradient_of_the_upcast_logits_at_the_loss():
+    """Traced (run.mode=fake, Llama-3-8B BF16, 2 layers, s 4096): at the loss's backward peak three FP32
+    logits-sized tensors are alive — the saved log-softmax, its gradient, and the gradient of the FP32
+    logits — 12 B per logit; the engine's loss (8 B) + logits term, now FP32 (4 B), not BF16 (2 B)."""
+    from harness.estimate import estimate
+
+    s = spec("llama3_8b", "h100_94gb", parallel_dp=8, parallel_zero_stage=3, train_seq_len=4096)
+    terms = estimate(s).worst.terms
+    sv = 4096 * 128_256
+    assert (terms["logits"], terms["loss"]) == (4 * sv, 8 * sv)
+
+
+def test_dtensor_sharding_propagation_is_not_counted():
+    """DTensor propagates an op's output metadata on global-shape fake tensors; in a fake run they were
+    made in the trace's own fake mode and MemTracker counted them (loss_parallel's FP32 log-softmax over
+    the whole vocabulary). tiny, tp 2, s 256, BF16: a real CPU run measured 25,186,752 B on rank 0
+    (`harness run model=tiny train.precision=bf16 train.seq_len=256 parallel.world_size=2
+    parallel.tp=2`); the trace read 28,323,996 B before (+12 %), 25,186,732 B now (at s 512:
+    38,382,784 B measured, 44,657,308 before, 38,382,764 now)."""
+    s = spec("tiny", parallel_tp=2, train_seq_len=256, train_precision="bf16")
+    traced = in_fresh_process(_trace, s, 0)["peak_allocated_bytes"]
+    assert traced == pytest.approx(25_186_752, rel=0.001)
+
+
+# --- tracing ranks side by side ----------------------------------------------------------------------
+
+
+def _scripted_tracing(monkeypatch, finishes, results):
+    """``_trace_ranks`` without processes: ``finishes`` says which running ranks end at each wait, in
+    turn; ``results[rank]`` is what each returns (``extra``: the ZeRO-1 rank it names). Returns the
+    started and the killed ranks, in order."""
+    from harness.runner.fake import pool
+
+    started, killed, turns = [], [], iter(finishes)
+
+    def start(spec, rank, out, kernels):
+        started.append(rank)
+        return rank, out
+
+    def wait_any(running, deadline):
+        ended = next(turns)
+        assert set(ended) <= set(running), (ended, sorted(running))
+        for rank in ended:
+            del running[rank]
+        return {rank: {"rank": rank, **results[rank]} for rank in ended}
+
+    monkeypatch.setattr(pool, "_start_child", start)
+    monkeypatch.setattr(pool, "_wait_any", wait_any)
+    monkeypatch.setattr(pool, "_kill", lambda proc: killed.append(proc))
+    monkeypatch.setattr(pool, "_zero1_worst_rank", lambda spec, result: result.get("extra"))
+    return started, killed
+
+
+def _ok(peak, extra=None):
+    return {"peak_allocated_bytes": peak, "extra": extra}
+
+
+def test_ranks_traced_side_by_side_are_recorded_in_one_at_a_time_order(monkeypatch):
+    """Two at a time, rank 8 ends first and names ZeRO-1 rank 9, then rank 0 names rank 1: one at a time
+    would have traced 0, 8, then 1 (named first), then 9. The record lists them so: the worst rank is
+    the first of equal peaks in that order, as before."""
+    from harness.runner.fake.pool import _trace_ranks
+
+    results = {0: _ok(5, extra=1), 8: _ok(7, extra=9), 1: _ok(6), 9: _ok(6)}
+    started, killed = _scripted_tracing(monkeypatch, [[8], [0], [9], [1]], results)
+    traced = _trace_ranks(spec("tiny"), [0, 8], deadline=0.0, kernels=None, jobs=2)
+    assert [r["rank"] for r in traced] == [0, 8, 1, 9]
+    assert started == [0, 8, 9, 1] and killed == []
+
+
+def test_after_a_failure_earlier_ranks_finish_and_later_ones_stop(monkeypatch):
+    """Ranks 0, 4, 8, 12, two at a time. Rank 4 fails while rank 0 still runs: rank 0 finishes (one at
+    a time it was traced before 4), ranks 8 and 12 are never started, and the record ends at rank 4.
+    Then rank 0 failing while rank 4 runs: rank 4 is killed, the record ends at rank 0."""
+    from harness.runner.fake.pool import _trace_ranks
+
+    failed = {"error": "RuntimeError: boom"}
+    results = {0: _ok(5), 4: failed, 8: _ok(1), 12: _ok(1)}
+    started, killed = _scripted_tracing(monkeypatch, [[4], [0]], results)
+    traced = _trace_ranks(spec("tiny"), [0, 4, 8, 12], deadline=0.0, kernels=None, jobs=2)
+    assert [r["rank"] for r in traced] == [0, 4] and "error" in traced[1]
+    assert started == [0, 4] and killed == []
+
+    results = {0: failed, 4: _ok(5), 8: _ok(1)}
+    started, killed = _scripted_tracing(monkeypatch, [[0]], results)
+    traced = _trace_ranks(spec("tiny"), [0, 4, 8], deadline=0.0, kernels=None, jobs=2)
+    assert [r["rank"] for r in traced] == [0]
+    assert started == [0, 4] and killed == [4]
+
+
+def test_trace_jobs_is_bounded_by_ranks_cpus_and_host_memory(monkeypatch):
+    import os
+
+    from harness.runner.fake import pool
+
+    monkeypatch.setattr(pool, "_available_memory_bytes", lambda: 64 * 2**30)
+    assert pool.trace_jobs(1) == 1
+    assert 1 <= pool.trace_jobs(64) <= os.cpu_count()
+    monkeypatch.setattr(pool, "_available_memory_bytes", lambda: 9 * 2**30)  # 9 // 4: two traces fit
+    assert pool.trace_jobs(64) == min(2, os.cpu_count())
+    monkeypatch.setattr(pool, "_available_memory_bytes", lambda: 2**30)
+    assert pool.trace_jobs(64) == 1
+
+
+def _figures_one_and_two_at_a_time(s, queue):
+    from harness.runner.fake.run import run_fake
+
+    rows = [run_fake(s, jobs=jobs) for jobs in (1, 2)]
+    skip = ("wall_s", "fake_trace_s", "fake_trace_cpu_s", "fake_host_rss_bytes")
+    queue.put([{k: v for k, v in row.items() if k not in skip and not k.startswith("env_")} for row in rows])
+
+
+@pytest.mark.slow
+def test_tracing_ranks_side_by_side_changes_no_figure():
+    """The same point traced one rank at a time and two at a time: the same record (bar the times).
+    (scripts/fake_budget.py --compare checks the same of larger points against an older revision.)"""
+    import multiprocessing
+
+    s = spec("tiny", parallel_pp=2, train_seq_len=128, train_num_microbatches=2)
+    # A spawned process that may fork (in_fresh_process's pool workers may not).
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_figures_one_and_two_at_a_time, args=(s, queue))
+    proc.start()
+    one, two = queue.get(timeout=600)
+    proc.join()
+    assert one["status"] == "ok" and one["fake_traced_ranks"] == [0, 1]
+    nan = [k for k, v in one.items() if v != v]  # (NaN: a step-time spread without timed steps)
+    assert {k: v for k, v in one.items() if k not in nan} == {k: v for k, v in two.items() if k not in nan}
+
+
+# --- cost: a shorter warm-up, and traces kept across GPU presets ------------------------------------
+
+
+def _trace_with_warm_up(s, full):
+    from harness.runner.fake import trace as fake_trace
+    from harness.runner.parallel.compose import train_step
+
+    if full:  # the warm-up a real run takes: every micro-batch
+
+        def every_micro_batch(par, tokens, spec):
+            train_step(par, tokens, tokens, num_microbatches=spec.train.num_microbatches)
+
+        fake_trace.warm_up = every_micro_batch
+    r = fake_trace.trace_rank(s, 0)
+    return {k: v for k, v in r.items() if k not in ("trace_s", "trace_cpu_s", "host_rss_bytes")}
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"parallel_dp": 2, "parallel_zero_stage": 0},  # DDP: its buckets are rebuilt after the first step
+        {"parallel_dp": 2, "parallel_tp": 2, "parallel_zero_stage": 3},  # FSDP2 on a 2-D mesh
+    ],
+)
+def test_one_micro_batch_warm_up_leaves_the_measured_step_unchanged(layout):
+    """A fake run warms up on one micro-batch where the real run takes all four: every figure of the
+    measured step (peaks, categories, the allocator replay) is the same to the byte."""
+    s = spec("tiny", train_seq_len=128, train_num_microbatches=4, **layout)
+    short = in_fresh_process(_trace_with_warm_up, s, False)
+    full = in_fresh_process(_trace_with_warm_up, s, True)
+    assert short["peak_allocated_bytes"] > 0
+    assert short == full
+
+
+def test_trace_key_ignores_the_card_but_not_the_layout_kernels_rank_or_code(monkeypatch):
+    from harness.runner.fake import cache as fake_cache
+
+    a100, h100 = spec("tiny", "a100_40gb"), spec("tiny", "h100_94gb")
+    key = fake_cache.trace_key(a100, 0, "cuda")
+    assert fake_cache.trace_key(h100, 0, "cuda") == key
+    assert fake_cache.trace_key(a100, 0, "cpu") != key
+    assert fake_cache.trace_key(a100, 1, "cuda") != key
+    assert fake_cache.trace_key(spec("tiny", "a100_40gb", parallel_dp=2), 0, "cuda") != key
+    monkeypatch.setattr(fake_cache, "code_hash", lambda: "another revision")
+    assert fake_cache.trace_key(a100, 0, "cuda") != key
+
+
+def _stage_trace(s, stage):
+    from harness.runner.fake.ranks import rank_of
+    from harness.runner.fake.trace import trace_rank
+
+    r = trace_rank(s, rank_of(s, stage=stage), keep_trace=True)
+    events = [(e["action"], e["size"], e.get("stream")) for e in r.pop("trace")]
+    timings = ("trace_s", "trace_cpu_s", "host_rss_bytes")
+    return {**{k: v for k, v in r.items() if k not in timings}, "events": events}
+
+
+@pytest.mark.parametrize(
+    "layout, invariant",
+    [
+        ({"parallel_pp": 2, "parallel_cp": 2, "parallel_zero_stage": 0}, True),  # replicate per stage
+        ({"parallel_zero_stage": 0}, True),  # DDP's buckets
+        ({"parallel_zero_stage": 1}, False),  # ZeroRedundancyOptimizer's partition is 1/dp
+    ],
+)
+def test_without_zero_a_rank_traces_the_same_for_any_data_parallel_size(layout, invariant):
+    """What lets the trace cache key dp as "2 or more" without ZeRO: the last stage's rank traced with
+    dp 2 and with dp 4 gives the same figures and the same events (action, size, stream), in order;
+    with ZeRO-1 it does not, and the keys say so."""
+    from harness.runner.fake.cache import trace_key
+    from harness.runner.fake.ranks import rank_of
+
+    two, four = (
+        spec("tiny", "h100_94gb", parallel_dp=dp, train_seq_len=128, train_num_microbatches=4, **layout)
+        for dp in (2, 4)
+    )
+    last = two.parallel.pp - 1
+    a, b = (in_fresh_process(_stage_trace, s, last) for s in (two, four))
+    assert a["peak_allocated_bytes"] > 0 and len(a["events"]) > 100
+    assert (a == b) is invariant
+    keys = (trace_key(s, rank_of(s, stage=last), "cuda") for s in (two, four))
+    assert (len(set(keys)) == 1) is invariant
+
+
+def test_trace_key_counts_data_parallel_replicas_only_as_one_or_more_without_zero():
+    from harness.runner.fake.cache import mesh_coords, trace_key
+
+    def key(dp, stage=1, **kw):
+        s = spec("tiny", parallel_pp=2, parallel_dp=dp, parallel_zero_stage=0, **kw)
+        return trace_key(s, rank_of(s, stage=stage), "cuda")
+
+    assert key(2) == key(4) == key(8) != key(1)
+    assert key(2) != key(2, stage=0)
+    assert key(2, train_micro_batch_size=2) != key(2)
+    s = spec("tiny", parallel_pp=2, parallel_dp=4, parallel_cp=2, parallel_tp=2)
+    assert mesh_coords(s, rank_of(s, stage=1, dp=3, cp=1, tp=0)) == {"pp": 1, "dp": 3, "cp": 1, "tp": 0}
+
+
+def test_ranks_in_the_trace_cache_are_not_traced_again(monkeypatch, tmp_path):
+    """Ranks 0 and 8 traced (8 names ZeRO-1 rank 9), kept; the same layout again traces nothing and
+    gives the same results in the same order. A failed rank is not kept: it is traced again."""
+    from harness.runner.fake.cache import TraceCache
+    from harness.runner.fake.pool import _trace_ranks
+
+    cache, s = TraceCache(tmp_path), spec("tiny")
+    results = {0: _ok(5), 8: _ok(7, extra=9), 9: _ok(6)}
+    started, _ = _scripted_tracing(monkeypatch, [[0, 8], [9]], results)
+    first = _trace_ranks(s, [0, 8], deadline=0.0, kernels="cuda", jobs=2, cache=cache)
+    assert started == [0, 8, 9] and len(list(tmp_path.glob("*.json"))) == 3
+    started, _ = _scripted_tracing(monkeypatch, [], results)
+    again = _trace_ranks(s, [0, 8], deadline=0.0, kernels="cuda", jobs=2, cache=cache)
+    assert started == [] and again == [{**r, "cached": True} for r in first]
+
+    failed = {"error": "RuntimeError: boom"}
+    started, _ = _scripted_tracing(monkeypatch, [[4]], {4: failed})
+    _trace_ranks(s, [4], deadline=0.0, kernels="cuda", jobs=1, cache=cache)
+    started, _ = _scripted_tracing(monkeypatch, [[4]], {4: failed})
+    _trace_ranks(s, [4], deadline=0.0, kernels="cuda", jobs=1, cache=cache)
+    assert started == [4]
+
+
+def test_a_layout_traced_with_another_data_parallel_size_is_taken_with_this_layouts_ranks(
+    monkeypatch, tmp_path
+):
+    """Without ZeRO, pp 2 traced on 4 GPUs (dp 2: ranks 0 and 2) serves pp 2 on 8 GPUs (dp 4: ranks 0
+    and 4): nothing traced again, each result under the rank of the same stage in the new layout."""
+    from harness.runner.fake.cache import TraceCache
+    from harness.runner.fake.pool import _trace_ranks
+
+    cache = TraceCache(tmp_path)
+    small, large = (spec("tiny", parallel_pp=2, parallel_dp=dp, parallel_zero_stage=0) for dp in (2, 4))
+    started, _ = _scripted_tracing(monkeypatch, [[0, 2]], {0: _ok(5), 2: _ok(7)})
+    _trace_ranks(small, traced_ranks(small), deadline=0.0, kernels="cuda", jobs=2, cache=cache)
+    started, _ = _scripted_tracing(monkeypatch, [], {})
+    taken = _trace_ranks(large, traced_ranks(large), deadline=0.0, kernels="cuda", jobs=2, cache=cache)
+    assert started == [] and traced_ranks(large) == [0, 4]
+    assert [(r["rank"], r["peak_allocated_bytes"], r["cached"]) for r in taken] == [
+        (0, 5, True),
+        (4, 7, True),
+    ]
+
+
+def test_harness_run_fake_takes_a_rank_traced_for_another_card_from_the_cache(tmp_path):
+    """``run.fake_cache``: tiny dp 2 traced for an A100 is taken as it is for an H100 (nothing traced
+    again: the record says which ranks came from the cache), the same figures, the H100's name."""
+    args = [
+        "run",
+        "run.mode=fake",
+        "model=tiny",
+        "parallel.dp=2",
+        f"run.fake_cache={tmp_path}",
+        "format=json",
+    ]
+    a100 = harness_cli(*args, "device=a100_40gb")
+    h100 = harness_cli(*args, "device=h100_94gb")
+    assert a100.returncode == 0 and h100.returncode == 0, a100.stderr + h100.stderr
+    first, second = json.loads(a100.stdout), json.loads(h100.stdout)
+    assert (first["fake_cached_ranks"], second["fake_cached_ranks"]) == ([], [0])
+    assert (first["device_name"], second["device_name"]) == ("a100_40gb", "h100_94gb")
+    for key in ("peak_allocated_bytes", "per_rank_peak_bytes", "sim_peak_reserved_bytes", "mem_params_bytes"):
+        assert first[key] == second[key], key
+    assert first["config_id"] != second["config_id"]
+
+
+def test_first_stage_holds_the_mlp_backward_working_set_as_traced():
+    """Pipeline stage 0 peaks at its first backward, all in-flight activations alive, with the MLP's
+    backward gradients on top: tiny, s 512, b 4, FP32, 3 of b·s·f = 4·512·352 elements, 3 × 2.75 MiB =
+    8 650 752 B — the trace's "temporaries" at the peak, exactly. The engine lacked them (−8 %). The
+    down projection's saved input, one of the same size, is released before the peak: two above the
+    activations (``backward_working_set``)."""
+    from harness.estimate import estimate
+    from harness.estimate.activations import backward_working_set
+
+    s = spec(
+        "tiny",
+        parallel_pp=2,
+        train_seq_len=512,
+        train_micro_batch_size=4,
+        train_num_microbatches=2,
+        train_precision="fp32",
+    )
+    assert backward_working_set(s.model, s.parallel, s.train) == 2 * 4 * 512 * 352 * 4 == 5_767_168
+    traced = in_fresh_process(_trace, s, 0)
+    assert traced["categories"]["temporaries"] == 8_650_752
+    engine = estimate(s, engine="torch").stages[0].total_bytes
+    assert abs(engine - traced["peak_allocated_bytes"]) <= 0.01 * traced["peak_allocated_bytes"]

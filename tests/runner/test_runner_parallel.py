@@ -1,0 +1,209 @@
+"""Correctness of the parallel runner, the way the field checks it: the losses of every parallel layout
+equal a single-rank reference on the same global batch and seed.
+
+Tolerance: relative 2e-4 on every step's loss (FP32; reduction order, the masked attention kernel of
+context parallelism and gradient bucketing differ from the reference). The optimizer is made sensitive
+to the gradient's scale for these tests: AdamW's first step is lr·g/(|g| + eps), which with the default
+eps is lr·sign(g) and would hide a wrong averaging factor; with eps = 1 and lr = 20 the step is ~20·g,
+so the losses after it check the gradient itself, not only its sign. A wrong gradient averaging
+(sum instead of mean over 2 ranks) moves the step-2 loss by ~1e-2 relative.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from conftest import spec
+
+from harness.runner.parallel import compose
+from harness.runner.supervisor import run_point
+from harness.spec import canonical
+
+GLOBAL_BATCH = 4
+RTOL = 2e-4
+COMMON = dict(train_precision="fp32", train_steps=3, train_seq_len=64)
+
+
+@pytest.fixture(autouse=True)
+def gradient_sensitive_adam(monkeypatch):
+    monkeypatch.setattr(compose, "ADAM_EPS", 1.0)
+    monkeypatch.setattr(compose, "LEARNING_RATE", 20.0)
+
+
+def run(*, tied: bool = False, **kw) -> dict:
+    s = spec("tiny", **COMMON, **kw)
+    if tied:
+        s = canonical(dataclasses.replace(s, model=dataclasses.replace(s.model, tie_embeddings=True)))
+    record = run_point(s, timeout_s=240)
+    assert record["status"] == "ok", record["error"]
+    return record
+
+
+def _reference(*, tied: bool) -> list[float]:
+    mp = pytest.MonkeyPatch()
+    mp.setattr(compose, "ADAM_EPS", 1.0)
+    mp.setattr(compose, "LEARNING_RATE", 20.0)
+    try:
+        losses = run(tied=tied, train_micro_batch_size=GLOBAL_BATCH, train_num_microbatches=1)["losses"]
+    finally:
+        mp.undo()
+    # The steps must actually train, or equal losses would prove nothing.
+    assert losses[1] < losses[0] - 0.05
+    return losses
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[float]:
+    return _reference(tied=False)
+
+
+@pytest.fixture(scope="module")
+def tied_reference() -> list[float]:
+    return _reference(tied=True)
+
+
+def assert_same(losses: list[float], reference: list[float]) -> None:
+    assert len(losses) == len(reference)
+    for got, want in zip(losses, reference, strict=True):
+        assert got == pytest.approx(want, rel=RTOL), (losses, reference)
+
+
+LAYOUTS = {
+    # one axis at a time (2 ranks)
+    "dp2-zero0": dict(parallel_dp=2, train_micro_batch_size=2),
+    "dp2-zero1": dict(parallel_dp=2, parallel_zero_stage=1, train_micro_batch_size=2),
+    "dp2-zero2": dict(parallel_dp=2, parallel_zero_stage=2, train_micro_batch_size=2),
+    "dp2-zero3": dict(parallel_dp=2, parallel_zero_stage=3, train_micro_batch_size=2),
+    "tp2-sp": dict(parallel_tp=2, train_micro_batch_size=4),
+    "tp2-nosp": dict(parallel_tp=2, parallel_sequence_parallel=False, train_micro_batch_size=4),
+    "cp2-balanced": dict(parallel_cp=2, train_micro_batch_size=4),
+    "cp2-contiguous": dict(parallel_cp=2, parallel_cp_load_balance=False, train_micro_batch_size=4),
+    "pp2-1f1b": dict(parallel_pp=2, train_micro_batch_size=2, train_num_microbatches=2),
+    "pp2-gpipe": dict(
+        parallel_pp=2, parallel_pp_schedule="gpipe", train_micro_batch_size=2, train_num_microbatches=2
+    ),
+    "pp2-interleaved": dict(
+        parallel_pp=2,
+        parallel_pp_schedule="interleaved_1f1b",
+        parallel_virtual_stages=2,
+        train_micro_batch_size=2,
+        train_num_microbatches=2,
+    ),
+    # gradient accumulation and recomputation on one rank
+    "accumulate4": dict(train_micro_batch_size=1, train_num_microbatches=4),
+    "recompute-full": dict(train_micro_batch_size=4, train_recompute="full"),
+    "recompute-selective": dict(train_micro_batch_size=4, train_recompute="selective"),
+    # issue 15: torchtitan's checkpointing modes and the math kernel, alone and under parallelism
+    "recompute-op": dict(train_micro_batch_size=4, train_recompute="op"),
+    "recompute-full-every2": dict(train_micro_batch_size=4, train_recompute="full", train_recompute_every=2),
+    # Megatron's --recompute-method uniform|block --recompute-num-layers 2, alone and under FSDP2
+    "recompute-full-uniform2": dict(
+        train_micro_batch_size=4,
+        train_recompute="full",
+        train_recompute_every=2,
+        train_recompute_method="uniform",
+    ),
+    "recompute-full-block2": dict(
+        train_micro_batch_size=4,
+        train_recompute="full",
+        train_recompute_every=2,
+        train_recompute_method="block",
+    ),
+    "dp2-zero3-recompute-uniform2": dict(
+        parallel_dp=2,
+        parallel_zero_stage=3,
+        train_micro_batch_size=2,
+        train_recompute="full",
+        train_recompute_every=2,
+        train_recompute_method="uniform",
+    ),
+    "attention-math": dict(train_micro_batch_size=4, train_attention="math"),
+    "tp2-recompute-op": dict(parallel_tp=2, train_micro_batch_size=4, train_recompute="op"),
+    "cp2-math": dict(parallel_cp=2, train_micro_batch_size=4, train_attention="math"),
+    "dp2-zero3-recompute-op": dict(
+        parallel_dp=2, parallel_zero_stage=3, train_micro_batch_size=2, train_recompute="op"
+    ),
+    # combinations (4 ranks)
+    "dp2-tp2-zero3": dict(parallel_dp=2, parallel_tp=2, parallel_zero_stage=3, train_micro_batch_size=2),
+    "dp2-tp2-zero1": dict(parallel_dp=2, parallel_tp=2, parallel_zero_stage=1, train_micro_batch_size=2),
+    "tp2-cp2": dict(parallel_tp=2, parallel_cp=2, train_micro_batch_size=4),
+    "dp2-pp2-zero2": dict(
+        parallel_dp=2,
+        parallel_pp=2,
+        parallel_zero_stage=2,
+        train_micro_batch_size=1,
+        train_num_microbatches=2,
+    ),
+    "dp2-pp2-zero0": dict(parallel_dp=2, parallel_pp=2, train_micro_batch_size=1, train_num_microbatches=2),
+    "pp2-tp2-full": dict(
+        parallel_pp=2,
+        parallel_tp=2,
+        train_micro_batch_size=2,
+        train_num_microbatches=2,
+        train_recompute="full",
+    ),
+    "dp2-cp2-zero2-accumulate": dict(
+        parallel_dp=2,
+        parallel_cp=2,
+        parallel_zero_stage=2,
+        train_micro_batch_size=1,
+        train_num_microbatches=2,
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
+def test_layout_matches_single_rank(layout, reference):
+    assert_same(run(**LAYOUTS[layout])["losses"], reference)
+
+
+# Tied embeddings (issue 15): tensor parallelism used to give the head a matrix of its own, and the
+# pipeline's two copies (embedding on the first stage, head on the last) were never summed.
+TIED_LAYOUTS = {
+    # the untied layouts of the same name, run tied
+    **{
+        k: LAYOUTS[k]
+        for k in ("tp2-sp", "tp2-nosp", "dp2-tp2-zero1", "dp2-tp2-zero3", "pp2-1f1b", "pp2-interleaved")
+    },
+    "cp2": dict(parallel_cp=2, train_micro_batch_size=4),
+    "pp2-tp2": dict(parallel_pp=2, parallel_tp=2, train_micro_batch_size=2, train_num_microbatches=2),
+}
+
+
+@pytest.mark.parametrize("layout", TIED_LAYOUTS, ids=list(TIED_LAYOUTS))
+def test_tied_layout_matches_single_rank(layout, tied_reference):
+    assert_same(run(tied=True, **TIED_LAYOUTS[layout])["losses"], tied_reference)
+
+
+def test_the_tied_check_catches_untied_training(tied_reference, reference, monkeypatch):
+    # Guard for the guard: the tied and untied models train differently (tying is visible in the
+    # losses), and a pipeline whose two copies are not summed fails the comparison from step 2 on.
+    assert tied_reference[1] != pytest.approx(reference[1], rel=RTOL)
+    monkeypatch.setattr(compose, "sync_tied_weight", lambda par: None)
+    losses = run(tied=True, **TIED_LAYOUTS["pp2-1f1b"])["losses"]
+    assert losses[0] == pytest.approx(tied_reference[0], rel=RTOL)
+    assert losses[1] != pytest.approx(tied_reference[1], rel=RTOL)
+
+
+def test_2x2x2_on_eight_processes(reference):
+    # dp 2 × tp 2 × pp 2 = 8 ranks, FSDP (ZeRO-3) with sequence-parallel TP inside pipeline stages.
+    record = run(
+        parallel_dp=2,
+        parallel_tp=2,
+        parallel_pp=2,
+        parallel_zero_stage=3,
+        train_micro_batch_size=1,
+        train_num_microbatches=2,
+    )
+    assert len(record["per_rank_peak_bytes"]) == 8
+    assert_same(record["losses"], reference)
+
+
+def test_the_check_catches_a_wrong_gradient_scale(reference, monkeypatch):
+    # Guard for the guard: summing instead of averaging gradients over 2 data-parallel ranks (gradients
+    # twice too large) must fail the comparison. Emulated by doubling the learning rate.
+    monkeypatch.setattr(compose, "LEARNING_RATE", 40.0)
+    losses = run(parallel_dp=2, train_micro_batch_size=2)["losses"]
+    assert losses[0] == pytest.approx(reference[0], rel=RTOL)  # forward unchanged
+    assert losses[1] != pytest.approx(reference[1], rel=RTOL)

@@ -1,0 +1,162 @@
+"""The results store: atomic one-file-per-run writes, a unified schema on read, corrupt files named."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import pandas as pd
+
+from harness.sweep.store import compact, existing_ids, load_results, result_files, write_record
+
+
+def record(i: int, **extra) -> dict:
+    return {"config_id": f"id{i:04d}", "status": "ok", "peak_allocated_bytes": 1000 + i, **extra}
+
+
+def test_round_trip_with_evolving_columns(tmp_path):
+    # The first file lacks columns that later ones have: pandas' directory read would drop them.
+    write_record(record(0), tmp_path)
+    write_record(record(1, error="boom", per_rank_peak_bytes=[1, 2]), tmp_path)
+    write_record(record(2, status="oom", mfu=float("nan")), tmp_path)
+    frame, bad = load_results(tmp_path)
+    assert bad == []
+    assert len(frame) == 3 and {"error", "per_rank_peak_bytes", "mfu"} <= set(frame.columns)
+    row1 = frame.set_index("config_id").loc["id0001"]
+    assert row1["error"] == "boom" and list(row1["per_rank_peak_bytes"]) == [1, 2]
+    assert pd.isna(frame.set_index("config_id").loc["id0000", "error"])
+    assert existing_ids(tmp_path) == {"id0000", "id0001", "id0002"}
+
+
+def test_corrupt_file_is_named_and_the_rest_load(tmp_path):
+    for i in range(3):
+        write_record(record(i), tmp_path)
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet at all")
+    frame, bad = load_results(tmp_path)
+    assert len(frame) == 3
+    assert len(bad) == 1 and "broken.parquet" in bad[0]
+
+
+def test_compact_merges_and_keeps_each_run_once(tmp_path):
+    for i in range(5):
+        write_record(record(i), tmp_path)
+    path, n, bad = compact(tmp_path)
+    assert (n, bad) == (5, []) and path.name == "dataset.parquet"
+    assert len(result_files(tmp_path)) == 5  # per-run files stay (resume reads their names)
+    frame, _ = load_results(tmp_path)
+    assert len(frame) == 5
+    # a committed study keeps only its dataset: its runs still count as done (resume runs none again)
+    for f in result_files(tmp_path):
+        f.unlink()
+    assert existing_ids(tmp_path) == {f"id{i:04d}" for i in range(5)}
+
+
+def _writer(directory, start, count):
+    for i in range(start, start + count):
+        write_record(record(i, payload="x" * 1000), directory)
+
+
+def test_eight_concurrent_writers_and_a_reader_never_see_a_torn_file(tmp_path):
+    ctx = multiprocessing.get_context("fork")
+    writers = [ctx.Process(target=_writer, args=(tmp_path, k * 100, 100)) for k in range(8)]
+    for w in writers:
+        w.start()
+    reads, errors = 0, 0
+    while any(w.is_alive() for w in writers):
+        frame, bad = load_results(tmp_path)
+        errors += len(bad)
+        reads += 1
+        time.sleep(0.01)
+    for w in writers:
+        w.join()
+    frame, bad = load_results(tmp_path)
+    assert errors == 0 and bad == [] and reads > 0
+    assert len(frame) == 800
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+# ------------------------------------------------------------- issue 12: foreign files, truncation, truth
+
+
+def test_truncated_row_file_is_set_aside_and_its_point_runs_again(tmp_path, capsys):
+    for i in range(3):
+        write_record(record(i), tmp_path)
+    path = tmp_path / "id0001.parquet"
+    path.write_bytes(path.read_bytes()[:100])  # a writer killed mid-copy, a full disk
+    # Status and the other readers name it and skip it, and move nothing:
+    frame, bad = load_results(tmp_path)
+    assert len(frame) == 2 and len(bad) == 1 and "id0001.parquet" in bad[0]
+    assert existing_ids(tmp_path) == {"id0000", "id0002"}
+    assert path.exists()
+    # A sweep (set_aside_unreadable) moves it aside, says so, and the point is not done.
+    assert existing_ids(tmp_path, set_aside_unreadable=True) == {"id0000", "id0002"}
+    assert not path.exists() and (tmp_path / "id0001.parquet.corrupt").exists()
+    assert "id0001.parquet.corrupt" in capsys.readouterr().err
+    assert load_results(tmp_path)[1] == []
+
+
+def test_foreign_and_type_clashing_files_are_named_and_skipped(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for i in range(3):
+        write_record(record(i), tmp_path)
+    pq.write_table(pa.table({"a": [1, 2]}), tmp_path / "notes.parquet")  # someone else's file
+    write_record(record(7, peak_allocated_bytes="a lot"), tmp_path)  # a row whose peak is text
+    pq.write_table(pa.table({"config_id": ["id0008"], "status": [3]}), tmp_path / "id0008.parquet")
+    frame, bad = load_results(tmp_path)
+    assert sorted(frame["config_id"]) == ["id0000", "id0001", "id0002"]
+    assert frame["peak_allocated_bytes"].tolist() == [1000, 1001, 1002]
+    named = {line.split(": ", 1)[0].rsplit("/", 1)[1]: line for line in bad}
+    assert set(named) == {"notes.parquet", "id0007.parquet", "id0008.parquet"}
+    assert "not a harness row file (no config_id or status column)" in named["notes.parquet"]
+    assert (
+        "column peak_allocated_bytes is string here and int64 in the other files" in named["id0007.parquet"]
+    )
+    assert "column status is int64, not text" in named["id0008.parquet"]
+    # compact skips them the same way; the two-column read of `results status` checks only what it
+    # reads, so the row whose peak is text counts there as a run
+    assert compact(tmp_path)[1:] == (3, bad)
+    frame, bad = load_results(tmp_path, columns=["status"])
+    assert sorted(frame["config_id"]) == ["id0000", "id0001", "id0002", "id0007"] and len(bad) == 2
+
+
+def test_row_files_are_the_truth_and_the_dataset_is_derived(tmp_path):
+    for i in range(3):
+        write_record(record(i), tmp_path)
+    compact(tmp_path)
+    # A rerun replaces a row file (sweep.retry): the row file wins over the dataset's copy.
+    write_record(record(0, status="timeout"), tmp_path)
+    # A deleted row file stays deleted: the dataset does not bring it back, and compacting again
+    # does not resurrect it either.
+    (tmp_path / "id0002.parquet").unlink()
+    for _ in range(2):
+        frame, bad = load_results(tmp_path)
+        assert bad == [] and dict(zip(frame["config_id"], frame["status"], strict=True)) == {
+            "id0000": "timeout",
+            "id0001": "ok",
+        }
+        assert existing_ids(tmp_path) == {"id0000", "id0001"}
+        compact(tmp_path)
+    # A new run swept into a directory whose dataset stands alone (no listed row file left) keeps
+    # every compacted run.
+    for f in result_files(tmp_path):
+        f.unlink()
+    write_record(record(5), tmp_path)
+    assert existing_ids(tmp_path) == {"id0000", "id0001", "id0005"}
+
+
+def test_paper_scale_integers_beside_a_compacted_floating_column_load(tmp_path):
+    """A FLOP count of a 70B step (~1.4e16, beyond 2**53) in a row file, the same column floating in
+    the compacted dataset (an invalid row's null made it so): Arrow's permissive concatenation refused
+    the integer ("not in range"), so calibrate and report failed on the paper fake studies."""
+    big = 13_769_733_870_452_736
+    write_record(record(0, status="invalid", model_flops_per_step=None), tmp_path)
+    write_record(record(1, model_flops_per_step=big), tmp_path)
+    compact(tmp_path)
+    write_record(record(2, model_flops_per_step=big + 2**10), tmp_path)  # a row file after the compaction
+    frame, bad = load_results(tmp_path)
+    assert bad == [] and len(frame) == 3
+    flops = frame.set_index("config_id")["model_flops_per_step"]
+    assert flops["id0001"] == float(big) and flops["id0002"] == float(big + 2**10)
+    assert pd.isna(flops["id0000"])
