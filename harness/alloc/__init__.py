@@ -1,18 +1,24 @@
-"""A model of PyTorch's CUDA caching allocator (``allocator``) and the allocation traces it replays
-(``trace``): the reserved peak a GPU would show, computed without a GPU.
+"""A model of PyTorch's CUDA caching allocator (``allocator``), the allocation traces it replays
+(``trace``) and the allocator settings it replays them under (``settings``): the reserved peak a GPU
+would show, computed without a GPU.
 
 May import: the standard library and sortedcontainers; never torch.
 """
 
 from harness.alloc.allocator import CachingAllocator, OutOfMemory, ReplayResult, round_size
-from harness.alloc.trace import TraceError, load_trace, replay
+from harness.alloc.settings import ReplaySettings, alloc_conf_from_env, replay_settings
+from harness.alloc.trace import TraceError, load_trace, replay, seed
 
 __all__ = [
     "CachingAllocator",
     "OutOfMemory",
     "ReplayResult",
+    "ReplaySettings",
     "TraceError",
+    "alloc_conf_from_env",
     "load_trace",
     "replay",
+    "replay_settings",
     "round_size",
+    "seed",
 ]

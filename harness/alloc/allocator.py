@@ -162,6 +162,45 @@ class CachingAllocator:
         self.opened = 0
         self._next_addr = 1 << 40  # virtual addresses of our own: segments never touch
 
+    # --- a state read from a real allocator ------------------------------------------------------
+    def seed_segment(
+        self,
+        *,
+        addr: int,
+        stream: int,
+        small: bool,
+        blocks: list[tuple[int, int, bool, int]],
+        expandable: bool = False,
+    ) -> list[Block]:
+        """Put a segment the real allocator holds into the model as it is (a snapshot's ``segments``
+        entry), so that a replay starts from the real state instead of an empty cache. ``blocks``: the
+        segment's blocks in address order as (address, size, allocated, requested bytes). Counts in
+        ``reserved`` and ``allocated`` but not in ``opened``. Returns the allocated blocks, in order."""
+        size = sum(b[1] for b in blocks)
+        seg = Segment(addr=addr, size=size, stream=stream, small=small, expandable=expandable)
+        prev: Block | None = None
+        held = []
+        for b_addr, b_size, allocated, requested in blocks:
+            block = Block(addr=b_addr, size=b_size, segment=seg, allocated=allocated, prev=prev)
+            if prev is None:
+                seg.first = block
+            else:
+                prev.next = block
+            prev = block
+            if allocated:
+                block.requested = requested
+                self.allocated += b_size
+                held.append(block)
+            else:
+                self._cache(block)
+        self.segments[addr] = seg
+        self.reserved += size
+        if expandable:
+            self.expandable_of.setdefault((stream, small), seg)
+        # The model's own segments go above every real one (and an expandable one's room to grow).
+        self._next_addr = max(self._next_addr, addr + size + (1 << 48))
+        return held
+
     # --- the pool of free blocks -----------------------------------------------------------------
     def _pool(self, stream: int, small: bool) -> SortedList:
         pool = self.free.get((stream, small))

@@ -82,6 +82,7 @@ MEANINGS: dict[str, str] = {
     "run.fake_cache": "fake: a directory of traced ranks, reused across GPU presets (traces ignore the card)",
     "run.trace": "write each rank's allocation trace beside the record (<config_id>.rank<r>.trace.json)",
     "run.memory_snapshot": "CUDA: dump a memory snapshot per rank at the peak and on OOM",
+    "run.share_gpus": "GPU: let ranks share a node's GPUs when they outnumber them (never with pp > 1)",
     # sweep
     "sweep.name": "the sweep's name (its Hydra output folder)",
     "sweep.prune_predicted_oom": "true: points estimated over prune_factor × capacity are recorded, not run",

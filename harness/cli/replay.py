@@ -19,7 +19,7 @@ def _int_or_none(value, key: str) -> int | None:
 
 
 def replay_command(overrides: Sequence[str]) -> int:
-    from harness.alloc import load_trace, replay
+    from harness.alloc.trace import load_trace_file, replay
 
     cfg = compose(overrides)
     fmt = cfg["format"]
@@ -39,7 +39,9 @@ def replay_command(overrides: Sequence[str]) -> int:
         max_split_size_mb=split,
         expandable_segments=expandable,
     )
-    events = load_trace(str(cfg["trace"]))
+    events, initial = load_trace_file(str(cfg["trace"]))
+    if initial:  # a CUDA run's timed window: the allocator's state at its start comes first
+        options["initial_segments"] = initial
     result = replay(events, **options)
     if fmt == "json":
         print(json.dumps({"trace": str(cfg["trace"]), **result.as_dict()}, indent=2))

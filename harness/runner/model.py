@@ -11,6 +11,7 @@ picks SDPA's kernel (``train.attention``): ``flash`` (no score matrix kept) or `
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +63,37 @@ class CausalAttention:
         return sdpa(q, k, v, kernel=self.kernel, is_causal=True)
 
 
+def init_std(m: ModelSpec, name: str) -> float:
+    """The initial standard deviation of a matrix: 0.02, output projections scaled by depth."""
+    if name.endswith(("wo.weight", "w2.weight")):
+        return 0.02 / math.sqrt(2 * m.num_layers)
+    return 0.02
+
+
+def init_key(name: str, *, tied: bool) -> str:
+    """A parameter's name as the whole model knows it, whatever wrappers a rank's copy went through
+    (activation checkpointing's, DDP's ``module.``), and the head's as the embedding's when tied: the
+    key of its initial value."""
+    parts = [p for p in name.split(".") if p not in ("_checkpoint_wrapped_module", "_fsdp_wrapped_module")]
+    if parts and parts[0] == "module":
+        parts = parts[1:]
+    key = ".".join(parts)
+    return "tok_embeddings.weight" if tied and key == "output.weight" else key
+
+
+def initial_value(
+    m: ModelSpec, key: str, shape: tuple[int, ...], *, seed: int, device: torch.device
+) -> torch.Tensor:
+    """The whole initial value of parameter ``key`` (FP32, ``shape``): ones for norm weights, else
+    normal with :func:`init_std`, from a generator seeded by ``seed`` and the key alone — the same on
+    every rank and in every layout, so each rank can take its shard of it (a model built on the meta
+    device) and the single-rank reference starts from the same weights."""
+    if len(shape) == 1:
+        return torch.ones(shape, device=device)
+    gen = torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % 2**63)
+    return torch.empty(shape, device=device).normal_(0.0, init_std(m, key), generator=gen)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -82,10 +114,25 @@ class Attention(nn.Module):
         self.wk = nn.Linear(m.hidden_size, kv_width, bias=False)
         self.wv = nn.Linear(m.hidden_size, kv_width, bias=False)
         self.wo = nn.Linear(m.hidden_size, m.hidden_size, bias=False)
+        self.seq_len = seq_len
+        # The global token positions this module's rotary rows are for (None: 0 … seq_len − 1); context
+        # parallelism sets its rank's slice (parallel/context.py).
+        self.positions: torch.Tensor | None = None
         cos, sin = rope_tables(seq_len, self.head_dim)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.core = CausalAttention(attention)
+
+    @torch.no_grad()
+    def reset_rope(self) -> None:
+        """Recompute the rotary rows for ``positions`` on the buffers' device (after ``to_empty``, or
+        when context parallelism changes the positions)."""
+        cos, sin = rope_tables(self.seq_len, self.head_dim)
+        if self.positions is not None:
+            cos, sin = cos.index_select(0, self.positions), sin.index_select(0, self.positions)
+        device = self.rope_cos.device
+        self.rope_cos = cos.to(device)
+        self.rope_sin = sin.to(device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -151,14 +198,14 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Deterministic, scale-aware initialisation (std 0.02; output projections scaled by depth)."""
+        """Deterministic, scale-aware initialisation (std 0.02; output projections scaled by depth) from
+        the global RNG, in parameter order: for a model built whole on a real (or fake) device. The
+        runner builds on the meta device and fills each rank's shards with :func:`initial_value`."""
         for name, p in self.named_parameters():
             if p.dim() == 1:
                 p.fill_(1.0)
-            elif name.endswith(("wo.weight", "w2.weight")):
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.spec.num_layers))
             else:
-                nn.init.normal_(p, std=0.02)
+                nn.init.normal_(p, std=init_std(self.spec, name))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x

@@ -36,18 +36,37 @@ def _last_log_line(out_dir: Path, rank: int) -> str:
     return lines[-1][:300] if lines else ""
 
 
+# NCCL's watchdog, when a collective outlives the process group's timeout, logs this line and (with
+# TORCH_NCCL_ASYNC_ERROR_HANDLING 1 or 3, the default) aborts the process: SIGABRT, no result file
+# (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp, WorkNCCL::checkTimeout). The worker asks for 2
+# (clean up without tearing the process down), so the rank reports; the line is read where it did not.
+NCCL_WATCHDOG = "Watchdog caught collective operation timeout"
+
+
+def _watchdog_line(out_dir: Path, rank: int) -> str | None:
+    """The NCCL watchdog's timeout line in the rank's log, if it is there."""
+    try:
+        text = (out_dir / f"rank{rank}.log").read_text(errors="replace")
+    except OSError:
+        return None
+    return next((ln.strip()[:300] for ln in text.splitlines() if NCCL_WATCHDOG in ln), None)
+
+
 def _symptom(entry: tuple[int, int, dict]) -> bool:
     """A rank that failed only because a peer did not arrive or left (its own collective timed out,
-    its connection closed): gloo reports a peer's hang or death as this rank's error."""
+    its connection closed): gloo reports a peer's hang or death as this rank's error, and NCCL's
+    watchdog aborts a waiting rank (SIGABRT) with its timeout line in the log."""
     err = (entry[2].get("error") or "").lower()
-    return entry[1] is not None and entry[1] > 0 and any(s in err for s in SYMPTOMS)
+    code = entry[1]
+    ended = code is not None and (code > 0 or code == -signal.SIGABRT)
+    return ended and any(s in err for s in SYMPTOMS)
 
 
 def _culprit(failed: list[tuple[int, int, dict]]) -> tuple[int, int, dict]:
-    """The rank whose failure is the cause: one that was killed, else one whose error is not merely a
-    symptom of a peer, else the first."""
+    """The rank whose failure is the cause: one that was killed (not by NCCL's watchdog), else one
+    whose error is not merely a symptom of a peer, else the first."""
     for entry in failed:
-        if entry[1] is not None and entry[1] < 0:
+        if entry[1] is not None and entry[1] < 0 and not _symptom(entry):
             return entry
     return next((entry for entry in failed if not _symptom(entry)), failed[0])
 
@@ -73,7 +92,12 @@ def point_record(
         codes.update(zip(o["ranks"], o["codes"], strict=True))
         killed_here.update(o["killed"])
     timed_out = any(o["timed_out"] for o in outcomes)
-    device_name = _device_name(spec)
+    for r, code in codes.items():
+        if code == -signal.SIGABRT and not ranks[r].get("error"):
+            line = _watchdog_line(out_dir, r)
+            if line:
+                ranks[r]["error"] = line
+    device_name = _device_name(spec, ranks)
     common = {
         "wall_s": outcomes[0]["wall_s"],
         "device_name": device_name,
@@ -150,12 +174,17 @@ def point_record(
     return finish_record(spec, ranks, status="ok", error=None, error_rank=None, exit_code=0, **common)
 
 
-def _device_name(spec: RunSpec) -> str:
+def _device_name(spec: RunSpec, ranks: list[dict[str, Any]]) -> str | None:
+    """The CPU's model name, or the GPU's as a rank reported it (this process never initialises CUDA:
+    its ranks are forked from it, harness/runner/devices.py); the probe's when no rank got that far."""
     if spec.device.name == "cpu":
         return platform_cpu_name()
-    import torch
+    named = next((r["device_name"] for r in ranks if r.get("device_name")), None)
+    if named is None:
+        from harness.runner import devices
 
-    return torch.cuda.get_device_name(0)
+        named = devices.probe().get("device_name")
+    return named
 
 
 def platform_cpu_name() -> str:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.runner import devices
 from harness.runner.outcome import point_record
 from harness.runner.procs import (
     POINT_DIR_PREFIX,
@@ -55,12 +56,32 @@ def runner_problems(spec: RunSpec) -> list[str]:
             "the runner cannot combine pp > 1 with zero_stage 1 over dp·cp > 1 (ZeroRedundancyOptimizer "
             "does not accept the replicated DTensor parameters of pipeline stages); use zero_stage 0, 2 or 3"
         )
-    if spec.device.name != "cpu":
-        import torch
-
-        if not torch.cuda.is_available():
-            out.append(f"device {spec.device.name} needs CUDA, and this machine has none (use device=cpu)")
     return out
+
+
+def device_problems(spec: RunSpec) -> list[str]:
+    """What this machine's devices cannot run (GPU presets only), asked of a throwaway child
+    (:func:`devices.probe`): this process must not initialise CUDA before it forks the ranks."""
+    if spec.device.name == "cpu":
+        return []
+    found = devices.probe()
+    if not found.get("device_count"):
+        why = f" ({found['error']})" if found.get("error") else ""
+        return [f"device {spec.device.name} needs CUDA, and this machine has none{why} (use device=cpu)"]
+    m, t = spec.model, spec.train
+    if (
+        t.precision == "fp32"
+        and t.attention == "flash"
+        and m.num_kv_heads < m.num_heads
+        and found.get("fused_gqa_fp32") is False
+    ):
+        return [
+            f"train.attention=flash with grouped-query attention ({m.num_heads} heads, {m.num_kv_heads} KV "
+            f"heads) in fp32: no fused SDPA kernel of torch {found.get('torch_version')} on this GPU runs it "
+            "(flash and cuDNN take 16-bit inputs, memory-efficient no GQA); use train.precision=bf16 or "
+            "train.attention=math"
+        ]
+    return []
 
 
 @dataclass(frozen=True)
@@ -104,6 +125,14 @@ class Task:
         return self.node_task * per, min(world, per * self.tasks_per_node)
 
 
+def process_group_timeout(timeout_s: float) -> float:
+    """The process group's timeout for a point given ``timeout_s``: well before ours (a fifth of it, at
+    least 30 s when the point has that long), so that a stuck collective is reported by a rank itself —
+    NCCL's watchdog names the collective and its peers in the rank's log — before the supervisor has to
+    kill every rank and can only say the point timed out."""
+    return max(5.0, min(0.8 * timeout_s, timeout_s - 30.0))
+
+
 def _task_file(out_dir: Path, index: int) -> Path:
     return out_dir / f"task{index}.json"
 
@@ -120,6 +149,7 @@ def run_point(
     keep_dir: Path | None = None,
     task: Task | None = None,
     artifacts: dict[str, Any] | None = None,
+    share_gpus: bool = False,
 ) -> dict[str, Any] | None:
     """Run ``spec`` once and return its record. ``rank_fn(rank, spec, port=, out_dir=, timeout_s=,
     master_addr=, local_rank=, local_world=)`` is the per-rank entry point (the real worker by default;
@@ -129,6 +159,10 @@ def run_point(
     ranks; task 0 waits for the others' outcomes and returns the record, the others return None.
     ``artifacts``: files each rank writes beside the record (keyword arguments of the worker:
     ``trace_dir``, ``write_trace`` for ``run.trace``, ``memory_snapshot`` for ``run.memory_snapshot``).
+    ``share_gpus`` (``run.share_gpus``): let a node's ranks share its GPUs when they outnumber them
+    (:func:`devices.placement`).
+
+    Nothing here initialises CUDA: the ranks are forked from this process (harness/runner/devices.py).
     """
     task = task or Task()
     if task.count > 1 and task.shared_dir is None:
@@ -137,7 +171,18 @@ def run_point(
         spec = canonical(spec)
     except InvalidSpec as exc:
         return invalid_record(spec, str(exc)) if task.index == 0 else None
-    problems = runner_problems(spec)
+    problems = runner_problems(spec) or device_problems(spec)
+    if not problems and spec.device.name != "cpu":
+        where = task.placement(spec.parallel.world)
+        placed = devices.placement(
+            node_world=where[1],
+            task_ranks=len(task.ranks(spec.parallel.world)),
+            first_local=where[0],
+            visible=devices.visible_devices(),
+            share=share_gpus,
+            pp=spec.parallel.pp,
+        )
+        problems = [placed] if isinstance(placed, str) else []
     if problems:
         return invalid_record(spec, "; ".join(problems)) if task.index == 0 else None
     if rank_fn is None:
@@ -169,9 +214,16 @@ def _run_ranks(
     ctx = multiprocessing.get_context("fork")
     port = task.port or free_port()
     first_local, node_world = task.placement(spec.parallel.world)
-    # The process group's own timeout fires a little before ours, so that a stuck collective is
-    # reported by the rank itself when it can be.
-    pg_timeout = max(5.0, timeout_s - 5.0)
+    if spec.device.name != "cpu":  # (run_point checked that the ranks can be placed)
+        first_local, node_world = devices.placement(
+            node_world=node_world,
+            task_ranks=len(mine),
+            first_local=first_local,
+            visible=devices.visible_devices(),
+            share=True,
+            pp=1,
+        )
+    pg_timeout = process_group_timeout(timeout_s)
     loopback = task.count == 1 and task.master_addr in ("127.0.0.1", "localhost")
     procs = [
         ctx.Process(

@@ -24,6 +24,10 @@ def main() -> None:
         port=int(os.environ["MASTER_PORT"]),
         out_dir=out_dir,
         timeout_s=timeout_s,
+        master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        # torchrun's node-local placement: which GPU this rank takes, and how many ranks share the node
+        local_rank=int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
+        local_world=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])),
     )
 
 

@@ -53,15 +53,74 @@ def device_for(spec: RunSpec, local_rank: int, local_world: int) -> tuple[torch.
     return torch.device("cuda", local_rank % n), "gloo"  # several ranks share a GPU
 
 
-def emulate_capacity(spec: RunSpec, device: torch.device, local_world: int) -> float:
-    """Cap this process's share of the GPU at the device preset's capacity (a 40 GB card emulated on an
-    H200), divided among the ranks that share the GPU; returns the fraction set (1.0: no cap)."""
+EMULATION_BELOW = 0.99  # a preset below this share of the physical card is another, emulated card
+
+
+def emulate_capacity(spec: RunSpec, device: torch.device, local_world: int) -> dict[str, Any]:
+    """Cap this process's caching allocator so that the device preset's card is emulated on a larger
+    one (a 40 GB card on an H200), divided among the ranks that share the GPU; the fields that say so.
+
+    The cap (``set_per_process_memory_fraction``) limits the allocator alone, while on the emulated
+    card the CUDA context, NCCL's buffers and library handles sit in the same memory: what the device
+    already uses outside the allocator when the cap is set (the context, after ``set_device``) is
+    taken off the preset's capacity. NCCL's buffers, made at each communicator's first collective,
+    come later and are not: the emulated card is still optimistic by them (``emulated_note``)."""
     total = torch.cuda.get_device_properties(device).total_memory
     sharing = max(1, -(-local_world // torch.cuda.device_count()))
-    fraction = min(1.0, spec.device.memory_bytes / total) / sharing
+    free, _ = torch.cuda.mem_get_info(device)
+    outside = max(0, (total - free) - torch.cuda.memory_reserved(device))
+    # (a preset of the card itself, rounded to its GiB figure, is not an emulation)
+    emulated = spec.device.memory_bytes < EMULATION_BELOW * total
+    capacity = (spec.device.memory_bytes - outside) if emulated else total
+    fraction = min(1.0, capacity / total) / sharing
     if fraction < 1.0:
         torch.cuda.set_per_process_memory_fraction(fraction, device)
-    return fraction
+    return {
+        "cuda_memory_fraction": fraction,
+        "emulated": emulated,
+        "emulated_capacity_bytes": int(fraction * total) if fraction < 1.0 else None,
+        "outside_allocator_at_cap_bytes": outside,
+        "physical_total_bytes": total,
+        "emulated_note": "NCCL buffers made after the cap are outside it" if emulated else None,
+    }
+
+
+# Errors that are an out-of-memory although they are not torch.OutOfMemoryError, by the text each
+# library puts in the message (issue 33): cuBLAS's and cuDNN's failed workspace allocations
+# (CUBLAS_STATUS_ALLOC_FAILED, CUDNN_STATUS_ALLOC_FAILED), NCCL's "Cuda failure 'out of memory'" when a
+# communicator's buffers cannot be made, and a CUDA runtime error raised as torch.AcceleratorError
+# (cudaErrorMemoryAllocation: "out of memory").
+OOM_KINDS = (
+    ("cublas", "CUBLAS_STATUS_ALLOC_FAILED"),
+    ("cudnn", "CUDNN_STATUS_ALLOC_FAILED"),
+    ("nccl", "Cuda failure 'out of memory'"),
+    ("nccl", "Cuda failure: out of memory"),
+    ("cuda", "CUDA error: out of memory"),
+)
+
+
+def oom_kind(exc: BaseException) -> str | None:
+    """What ran out of memory, or None: ``torch`` (the caching allocator's OutOfMemoryError, also the
+    simulated CPU one), or the library whose allocation failed (:data:`OOM_KINDS`)."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return "torch"
+    text = str(exc)
+    for kind, marker in OOM_KINDS:
+        if marker in text:
+            return kind
+    return None
+
+
+def _peaks_at_oom(device: torch.device) -> dict[str, Any]:
+    """The allocator's peaks when a CUDA step ran out of memory (since the last reset: the measured
+    window, or the process's start when it failed before)."""
+    stats = torch.cuda.memory_stats(device)
+    return {
+        "memory_method": "cuda_caching_allocator",
+        "peak_allocated_bytes": stats.get("allocated_bytes.all.peak", 0),
+        "peak_reserved_bytes": stats.get("reserved_bytes.all.peak", 0),
+        "peak_active_bytes": stats.get("active_bytes.all.peak", 0),
+    }
 
 
 def run_rank(
@@ -96,14 +155,19 @@ def run_rank(
         )
         local_rank = rank if local_rank is None else local_rank
         local_world = world if local_world is None else local_world
-        if spec.device.name == "cpu":
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        # The node's cores shared among its ranks (a GPU rank's host work too: 8 ranks of 16-core
+        # OpenMP pools on a 16-core node thrash).
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
         device, backend = device_for(spec, local_rank, local_world)
         if device.type == "cpu":
             start_cpu_accounting()  # before anything the measured step could free is allocated
         if device.type == "cuda":
+            # A collective that outlives the group's timeout: abort NCCL's communicators but keep the
+            # process, so the rank reports its error instead of dying by SIGABRT (outcome.NCCL_WATCHDOG).
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
             torch.cuda.set_device(device)
-            result["cuda_memory_fraction"] = emulate_capacity(spec, device, local_world)
+            result["device_name"] = torch.cuda.get_device_name(device)
+            result.update(emulate_capacity(spec, device, local_world))
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
         artifacts = _Artifacts(
             spec,
@@ -116,21 +180,47 @@ def run_rank(
             start_cuda_history(stacks=artifacts.snapshot)
         result.update(_run(spec, device, artifacts))
         write_json(out, result)
-        dist.destroy_process_group()
+        _destroy_process_group()
         os._exit(0)
     except BaseException as exc:
-        oom = isinstance(exc, torch.OutOfMemoryError)
-        if oom and memory_snapshot and trace_dir is not None and torch.cuda.is_available():
+        kind = oom_kind(exc)
+        oom = kind is not None
+        on_cuda = spec.device.name != "cpu" and torch.cuda.is_initialized()
+        if oom and on_cuda:
             with contextlib.suppress(Exception):  # forensics must not hide the out-of-memory itself
+                result.update(_peaks_at_oom(torch.device("cuda", torch.cuda.current_device())))
+        if oom and memory_snapshot and trace_dir is not None and on_cuda:
+            with contextlib.suppress(Exception):
                 result["memory_snapshot"] = _Artifacts(spec, rank, None, trace_dir, True).dump_snapshot("oom")
         lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
         result.update(
             error=f"{type(exc).__name__}: {lines[0] if lines else ''}"[:500],
             oom=oom,
+            oom_kind=kind,
             traceback=traceback.format_exc()[-4000:],
         )
         write_json(out, result)
         os._exit(3 if oom else 1)
+
+
+DESTROY_TIMEOUT_S = 10.0
+
+
+def _destroy_process_group() -> None:
+    """Leave the process group, but never hang in it: the rank's result is written already, and a
+    teardown that waits on a peer (NCCL's communicator destruction can) must not turn a finished point
+    into a timeout. After ``DESTROY_TIMEOUT_S`` the rank exits anyway; the OS frees what is left."""
+    import threading
+
+    done = threading.Event()
+
+    def destroy() -> None:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        done.set()
+
+    threading.Thread(target=destroy, daemon=True).start()
+    done.wait(DESTROY_TIMEOUT_S)
 
 
 class _Artifacts:
@@ -167,7 +257,9 @@ def _run(spec: RunSpec, device: torch.device, artifacts: _Artifacts | None = Non
     p, t = spec.parallel, spec.train
     mesh = dist.device_mesh.init_device_mesh(device.type, (p.pp, p.dp, p.cp, p.tp), mesh_dim_names=MESH_DIMS)
     torch.manual_seed(MODEL_SEED)
-    model = Llama(spec.model, seq_len=t.seq_len, attention=t.attention)
+    # On the meta device: no memory until each rank's part is known (parallel/materialize.py).
+    with torch.device("meta"):
+        model = Llama(spec.model, seq_len=t.seq_len, attention=t.attention)
     tokens, targets = synthetic_batch(spec)
     per_rank = t.micro_batch_size * t.num_microbatches
     dp_rank = mesh["dp"].get_local_rank()
@@ -175,9 +267,7 @@ def _run(spec: RunSpec, device: torch.device, artifacts: _Artifacts | None = Non
     targets = targets[dp_rank * per_rank : (dp_rank + 1) * per_rank]
     build_start = time.perf_counter()
     par = parallelize(model, spec, mesh, device)
-    # A pipeline rank's stages are copies of the model: the whole model would otherwise stay alive
-    # beside them, in host memory (on CPU, the measured memory: +38 MiB on every small pp rank).
-    del model
+    del model  # (a pipeline rank's stages are copies of it)
     build_s = time.perf_counter() - build_start
     if par.positions is not None:
         tokens, targets = shard_sequence(tokens, par.positions), shard_sequence(targets, par.positions)

@@ -244,3 +244,34 @@ def test_properties_of_any_trace(program, capacity, max_split, expandable):
             assert sum(b.size for b in seg.blocks()) == seg.size
     kwargs = dict(capacity_bytes=capacity, max_split_size_mb=max_split, expandable_segments=expandable)
     assert replay(events, **kwargs) == replay(events, **kwargs)  # deterministic
+
+
+def test_replay_from_a_snapshots_segments_reuses_their_cache_and_starts_its_peaks_there():
+    """``initial_segments`` (issue 33): a 20 MiB segment with 4 MiB held and 16 MiB cached serves an
+    8 MiB request without a new segment; the peaks start at the seeded state (4 MiB allocated, 20 MiB
+    reserved), as reset_peak_memory_stats sets them; freeing the held block works by its address."""
+    from harness.alloc import replay
+
+    mib, seg = 1 << 20, 0x7F00_0000_0000
+    segments = [
+        {
+            "address": seg,
+            "total_size": 20 * mib,
+            "stream": 0,
+            "segment_type": "large",
+            "blocks": [
+                {"address": seg, "size": 4 * mib, "state": "active_allocated"},
+                {"address": seg + 4 * mib, "size": 16 * mib, "state": "inactive"},
+            ],
+        }
+    ]
+    events = [
+        {"action": "alloc", "addr": 1, "size": 8 * mib, "stream": 0},
+        {"action": "free_completed", "addr": seg, "size": 4 * mib, "stream": 0},
+    ]
+    r = replay(events, initial_segments=segments)
+    assert (r.num_segments_opened, r.peak_reserved_bytes, r.peak_allocated_bytes) == (0, 20 * mib, 12 * mib)
+    empty = replay(events[:1], initial_segments=segments[:0])
+    assert empty.num_segments_opened == 1  # from an empty cache the same request opens one
+    idle = replay([], initial_segments=segments)
+    assert (idle.peak_reserved_bytes, idle.peak_allocated_bytes) == (20 * mib, 4 * mib)

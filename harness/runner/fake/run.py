@@ -87,15 +87,18 @@ def run_configured(
         if task is not None and task.index > 0:
             return None  # one process traces the point; the other tasks of a Slurm job have nothing to do
         return run_fake(spec, timeout_s=timeout_s, cache=run.get("fake_cache"))
-    return run_point(spec, timeout_s=timeout_s, task=task, artifacts=artifacts)
+    share = run.get("share_gpus", False)
+    if not isinstance(share, bool):
+        raise ValueError(f"run.share_gpus={share!r} must be true or false")
+    return run_point(spec, timeout_s=timeout_s, task=task, artifacts=artifacts, share_gpus=share)
 
 
 def fake_problems(spec: RunSpec) -> list[str]:
     """What the fake mode cannot trace, beyond what the real runner cannot run."""
     from harness.runner.supervisor import runner_problems
 
-    # A GPU preset is what the fake mode is for: the real runner's "needs CUDA" does not apply.
-    return [x for x in runner_problems(spec) if "needs CUDA" not in x]
+    # (runner_problems asks nothing of the devices: a GPU preset is what the fake mode is for.)
+    return runner_problems(spec)
 
 
 def run_fake(

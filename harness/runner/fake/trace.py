@@ -63,7 +63,7 @@ def trace_rank(
             _private_sharding_propagation(),
             kernels,
         ):
-            model = Llama(spec.model, seq_len=t.seq_len)
+            model = Llama(spec.model, seq_len=t.seq_len, attention=t.attention)
             par = parallelize(model, spec, mesh, cpu)
             del model  # as the real rank does: a pipeline stage is a copy of it
             per_rank = (t.micro_batch_size * t.num_microbatches, t.seq_len // p.cp)

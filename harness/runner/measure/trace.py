@@ -198,15 +198,61 @@ def step_trace(
 _HELD_ELSEWHERE = _FOREIGN_BASE - 2**32
 
 
-def simulated(events: list[dict[str, Any]]) -> dict[str, Any]:
+def simulated(
+    events: list[dict[str, Any]],
+    *,
+    initial_segments: list[dict[str, Any]] | None = None,
+    expandable_segments: bool = False,
+    max_split_size_mb: float | None = None,
+) -> dict[str, Any]:
     """The step's trace replayed through the CUDA caching-allocator model (harness/alloc): the
-    reserved peak a GPU would show and its fragmentation, no capacity (out of memory is judged later)."""
+    reserved peak a GPU would show and its fragmentation, no capacity (out of memory is judged later).
+    ``initial_segments``: the allocator's state at the trace's start (CUDA: read from a snapshot);
+    ``expandable_segments``/``max_split_size_mb``: the allocator settings the trace was made under.
+    ``sim_segments_opened``: the segments the replay opened (with expandable segments: the times it
+    mapped more pages), the counterpart of the trace's own ``segment_alloc``/``segment_map`` events."""
     from harness.alloc import replay
 
-    r = replay(events)
+    r = replay(
+        events,
+        initial_segments=initial_segments,
+        expandable_segments=expandable_segments,
+        max_split_size_mb=max_split_size_mb,
+    )
     return {
         "sim_peak_allocated_bytes": r.peak_allocated_bytes,
         "sim_peak_reserved_bytes": r.peak_reserved_bytes,
         "sim_fragmentation_bytes": r.fragmentation_bytes,
+        "sim_segments_opened": r.num_segments_opened,
         "trace_events": r.num_events,
     }
+
+
+# The actions of a CUDA trace by which the allocator takes memory from the device: ``segment_alloc``
+# (cudaMalloc of a new segment) and ``segment_map`` (pages mapped onto an expandable segment;
+# CUDACachingAllocator.cpp ``map_block`` records it, no segment_alloc).
+SEGMENT_OPENS = ("segment_alloc", "segment_map")
+
+
+def _event_key(ev: dict[str, Any]) -> tuple:
+    return (ev.get("action"), ev.get("addr"), ev.get("size"), ev.get("stream"), ev.get("time_us"))
+
+
+def history_mark(events: list[dict[str, Any]]) -> tuple[int, tuple | None]:
+    """What marks the end of ``events`` (a device's trace at the window's start) for
+    :func:`window_start`: their number and the last one."""
+    return len(events), (_event_key(events[-1]) if events else None)
+
+
+def window_start(events: list[dict[str, Any]], mark: tuple[int, tuple | None]) -> int | None:
+    """The index in ``events`` (the same device's trace, read later) of the first event after ``mark``
+    (:func:`history_mark`). The history is a ring of ``max_entries`` (torch/cuda/memory.py
+    ``_record_memory_history``): once full, old events are dropped from its front, so the mark is
+    looked for at and before its old place; None when it is gone (the window's start was overwritten)."""
+    n, last = mark
+    if last is None:
+        return 0 if n == 0 else None
+    for i in range(min(n, len(events)) - 1, -1, -1):
+        if _event_key(events[i]) == last:
+            return i + 1
+    return None

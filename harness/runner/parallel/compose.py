@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from harness.runner.parallel.context import apply_cp
 from harness.runner.parallel.data import apply_ddp, apply_fsdp, apply_replicate, make_optimizer
+from harness.runner.parallel.materialize import materialize, on_meta
 from harness.runner.parallel.pipeline import build_schedule, split_stage, stage_ids
 from harness.runner.parallel.recompute import apply_recompute
 from harness.runner.parallel.tensor import apply_tp
@@ -64,15 +65,20 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
     # and return plain tensors: there the head's output is gathered.
     use_loss_parallel = p.tp > 1 and p.pp == 1
     positions = None
+    # Built on the meta device (the worker): memory and weights come after sharding (materialize.py).
+    meta = on_meta(model)
     for mod in modules:
-        if next(mod.parameters()).device != device:  # (a no-op .to() fails on fake tensors)
+        if not meta and next(mod.parameters()).device != device:  # (a no-op .to() fails on fake tensors)
             mod.to(device)
         if p.tp > 1:
             apply_tp(mod, mesh["tp"], sequence_parallel=p.sequence_parallel, loss_parallel=use_loss_parallel)
         if p.cp > 1:
             positions = apply_cp(mod, mesh["cp"], seq_len=t.seq_len, load_balance=p.cp_load_balance)
         apply_recompute(mod, mode=t.recompute, every=t.recompute_every, method=t.recompute_method)
-    if p.zero_stage >= 2 and dp_cp is not None:
+    fsdp = p.zero_stage >= 2 and dp_cp is not None
+    if meta and not fsdp:  # DDP and replicate start from materialized parameters (DDP broadcasts them)
+        materialize(modules, device, spec.model)
+    if fsdp:
         for mod in modules:
             apply_fsdp(
                 mod,
@@ -80,6 +86,8 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
                 reshard_after_forward=p.zero_stage == 3,
                 param_dtype=torch.bfloat16 if bf16 else torch.float32,
             )
+        if meta:  # FSDP2 shards the meta parameters: each rank allocates only its shards
+            materialize(modules, device, spec.model)
     elif dp_cp is not None and p.pp > 1:
         for mod in modules:
             apply_replicate(mod, dp_cp, param_dtype=torch.bfloat16 if bf16 else torch.float32)
@@ -130,9 +138,13 @@ def tied_embedding_group(mesh: DeviceMesh):
     stage and the head on the last; summing their gradients there before every optimizer step keeps
     the copies equal (Megatron's ``_allreduce_embedding_grads``). Every rank creates every group, in the
     same order, as ``new_group`` requires."""
-    grid = mesh.mesh  # global ranks, indexed (pp, dp, cp, tp)
+    # The mesh is init_device_mesh's: global ranks 0 … world − 1 in row-major (pp, dp, cp, tp) order, so
+    # stage s holds ranks s·n … (s + 1)·n − 1. Computed, not read from ``mesh.mesh``: a fake run builds
+    # this under FakeTensorMode, which refuses to index that real tensor (issue 30).
+    pp = mesh["pp"].size()
+    n = mesh.size() // pp
     mine = None
-    for a, b in zip(grid[0].flatten().tolist(), grid[-1].flatten().tolist(), strict=True):
+    for a, b in zip(range(n), range((pp - 1) * n, pp * n), strict=True):
         group = dist.new_group([a, b])
         if dist.get_rank() in (a, b):
             mine = group

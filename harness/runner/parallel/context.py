@@ -42,13 +42,19 @@ class AllGatherKVAttention:
     ):
         self.cp_mesh = cp_mesh
         self.kernel = kernel
-        # mask[i, j]: local query i may attend to gathered key j.
-        self.mask = positions[:, None] >= all_positions[None, :]
+        # mask[i, j]: local query i may attend to gathered key j. Made on the CPU here (the model may
+        # still be on the meta device), moved once to the device the queries are on.
+        self._mask = positions[:, None] >= all_positions[None, :]
+
+    def mask(self, device: torch.device) -> torch.Tensor:
+        if self._mask.device != device:
+            self._mask = self._mask.to(device)
+        return self._mask
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_all = all_gather_tensor_autograd(k.contiguous(), gather_dim=2, group=self.cp_mesh)
         v_all = all_gather_tensor_autograd(v.contiguous(), gather_dim=2, group=self.cp_mesh)
-        return sdpa(q, k_all, v_all, kernel=self.kernel, attn_mask=self.mask)
+        return sdpa(q, k_all, v_all, kernel=self.kernel, attn_mask=self.mask(q.device))
 
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, seq_len: int, load_balance: bool) -> torch.Tensor:
@@ -63,7 +69,7 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, seq_len: int, load_balanc
     core = AllGatherKVAttention(cp_mesh, mine, everyone, kernel=blocks[0].attention.kernel)
     for block in blocks:
         attn = block.attention
-        attn.rope_cos = attn.rope_cos.index_select(0, mine)
-        attn.rope_sin = attn.rope_sin.index_select(0, mine)
+        attn.positions = mine  # (CPU indices; the rows are made on the buffers' device)
+        attn.reset_rope()
         attn.core = core
     return mine
