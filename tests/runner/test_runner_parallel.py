@@ -131,6 +131,18 @@ LAYOUTS = {
     "dp2-tp2-zero3": dict(parallel_dp=2, parallel_tp=2, parallel_zero_stage=3, train_micro_batch_size=2),
     "dp2-tp2-zero1": dict(parallel_dp=2, parallel_tp=2, parallel_zero_stage=1, train_micro_batch_size=2),
     "tp2-cp2": dict(parallel_tp=2, parallel_cp=2, train_micro_batch_size=4),
+    # DDP over cp with tp (DTensor parameters localized for DDP) and a block recomputed in backward:
+    # crashed before issue 30 ("mixed torch.Tensor and DTensor")
+    "tp2-sp-cp2-recompute-full": dict(
+        parallel_tp=2, parallel_cp=2, train_micro_batch_size=4, train_recompute="full"
+    ),
+    "dp2-tp2-recompute-op": dict(
+        parallel_dp=2,
+        parallel_tp=2,
+        parallel_sequence_parallel=False,
+        train_micro_batch_size=2,
+        train_recompute="op",
+    ),
     "dp2-pp2-zero2": dict(
         parallel_dp=2,
         parallel_pp=2,

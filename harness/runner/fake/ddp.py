@@ -146,7 +146,9 @@ def apply_bucketed_replica(model: nn.Module, mesh, *, tensor_parallel: bool) -> 
     reducer's memory reproduced by :class:`BucketedReplica`."""
     del mesh
     if tensor_parallel:
-        from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+        # The real path's own transform (torch's ``_pre_dp_module_transform`` unties a tied head from
+        # its embedding: traced, the head's gradient met a local bucket view as a DTensor, issue 30).
+        from harness.runner.parallel.tensor import localize_for_ddp
 
-        _pre_dp_module_transform(model)
+        localize_for_ddp(model)
     return BucketedReplica(model)

@@ -133,21 +133,31 @@ def localize_for_ddp(model: nn.Module) -> None:
         local.register_hook(sync_grad_hook)
         table.append((local, param._spec, where))
 
-    def localize(*_: object) -> None:
-        for local, _spec, where in table:
-            for mod, name in where:
-                delattr(mod, name)
-                mod.register_parameter(name, local)
+    # Per module that holds them, not on the root as torch's recipe does: activation checkpointing
+    # runs a block's forward again during backward, after the root's forward has ended and its
+    # parameters are local tensors again — with the root's hooks the recomputed block met plain
+    # weights beside DTensor activations and crashed (issue 30: cp × tp with any recomputation).
+    # Each holder's forward makes its DTensors from the shared local parameter, so gradients of a
+    # tied pair still meet in one ``.grad``.
+    by_module: dict[nn.Module, list[tuple[str, nn.Parameter, object]]] = {}
+    for local, spec, where in table:
+        for mod, name in where:
+            by_module.setdefault(mod, []).append((name, local, spec))
 
-    def reconstruct(*_: object) -> None:
-        for local, spec, where in table:
+    def localize(mod: nn.Module, *_: object) -> None:
+        for name, local, _spec in by_module[mod]:
+            delattr(mod, name)
+            mod.register_parameter(name, local)
+
+    def reconstruct(mod: nn.Module, *_: object) -> None:
+        for name, local, spec in by_module[mod]:
             full = DTensor.from_local(
                 local, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride
             )
-            for mod, name in where:
-                delattr(mod, name)
-                setattr(mod, name, full)  # a plain attribute for this forward, not a parameter
+            delattr(mod, name)
+            setattr(mod, name, full)  # a plain attribute for this forward, not a parameter
 
-    localize()
-    model.register_forward_pre_hook(reconstruct)
-    model.register_forward_hook(localize)
+    for mod in by_module:
+        localize(mod)
+        mod.register_forward_pre_hook(reconstruct)
+        mod.register_forward_hook(localize)
