@@ -66,7 +66,7 @@ MEANINGS: dict[str, str] = {
     "engine.name": "estimator: paper (published closed form) | megatron | torch (this runner)",
     # output
     "format": "table (for people) | json (for programs)",
-    "threshold": "utilisation (predicted peak / capacity) at or below which a configuration fits",
+    "threshold": "a ratio in (0, 1]: the device level at or below which a configuration fits (0.8 = 80 %)",
     "explain": "true: a glossary of the table's rows and columns under it",
     "results_dir": "where sweep and run write rows, and calibrate/report read them",
     "calibration": "PATH of a calibration profile (from calibrate): estimate/plan add the calibrated peaks; "

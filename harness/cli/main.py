@@ -28,15 +28,33 @@ def _output_settings(cfg: dict) -> tuple[str, float]:
         if profile.safe_threshold is None:
             raise ValueError(
                 f"threshold=profile: {profile.path} learned no safe threshold (no run of its fit ran out "
-                "of memory); give threshold=<fraction>"
+                "of memory); give threshold=<ratio>"
             )
-        return fmt, profile.safe_threshold
+        device = str((cfg.get("device") or {}).get("name"))
+        kinds = profile.fitted_on.get("device_kinds") or []
+        if kinds and device not in kinds:
+            # A threshold learned on one kind of device says nothing of another's margin (issue 31).
+            raise ValueError(
+                f"threshold=profile: {profile.path} learned its threshold on {', '.join(kinds)}, not on "
+                f"{device}; give threshold=<ratio> (e.g. 0.8)"
+            )
+        if profile.safe_threshold > 1:
+            # Never a verdict above the card: a learned threshold over 100 % is the card's capacity.
+            _warn_once(
+                f"note: {profile.path}'s safe threshold {profile.safe_threshold:.1%} is above the card's "
+                "capacity; judged against 100%"
+            )
+        return fmt, min(1.0, profile.safe_threshold)
     try:
         threshold = float(cfg["threshold"])
     except (TypeError, ValueError):
-        raise ValueError(f"threshold={cfg['threshold']!r} must be a number") from None
-    if not threshold > 0:
-        raise ValueError(f"threshold={threshold} must be > 0 (a fraction of device memory, e.g. 0.8)")
+        raise ValueError(f"threshold={cfg['threshold']!r} must be a ratio in (0, 1], e.g. 0.8") from None
+    if not 0 < threshold <= 1:
+        hint = f"; did you mean {threshold / 100:g}?" if 1 < threshold <= 100 else ""
+        raise ValueError(
+            f"threshold={cfg['threshold']} must be a ratio of the device's memory in (0, 1] "
+            f"(0.8 = 80 %){hint}"
+        )
     return fmt, threshold
 
 

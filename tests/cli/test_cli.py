@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import harness_cli
@@ -57,7 +58,7 @@ def test_estimate_json_has_integer_byte_fields(capsys):
         (["train.seq_len=-1"], "train.seq_len=-1 must be >= 1"),
         (["parallel.tp=two"], "parallel.tp='two' must be int"),
         (["format=xml"], "format='xml' must be table or json"),
-        (["threshold=-1"], "threshold=-1.0 must be > 0"),
+        (["threshold=-1"], "threshold=-1 must be a ratio of the device's memory in (0, 1] (0.8 = 80 %)"),
         (["parallel.tp"], "override 'parallel.tp' is not key=value"),
         (["parallel.tp=[1"], "no viable alternative at input '[1'"),
     ],
@@ -155,3 +156,43 @@ def test_tables_print_the_recomputation_method_and_its_n():
     )
     assert res.returncode == 0, res.stderr
     assert "recompute full/uniform2" in res.stdout
+
+
+def test_threshold_is_a_ratio_and_names_the_percentage_meant():
+    # issue 31: threshold=80 printed "210.6% utilisation → fits (threshold 8000%)"
+    r = harness_cli("estimate", "model=llama3_8b", "threshold=80")
+    assert r.returncode == 2 and r.stdout == ""
+    assert (
+        "threshold=80 must be a ratio of the device's memory in (0, 1] (0.8 = 80 %); did you mean 0.8?"
+        in r.stderr
+    )
+    assert harness_cli("estimate", "model=llama3_8b", "threshold=0").returncode == 2
+
+
+def test_the_verdict_never_says_fits_over_the_card():
+    from harness.cli.render.common import verdict
+
+    gib = 2**30
+    assert verdict(60 * gib, 80 * gib, 0.8) == "fits"  # 75 %
+    assert verdict(70 * gib, 80 * gib, 0.8) == "over the safety margin (10.00 GiB of headroom left)"
+    assert verdict(90 * gib, 80 * gib, 0.8) == "does NOT fit (10.00 GiB over the card)"
+    assert verdict(90 * gib, 80 * gib, 1.0).startswith("does NOT fit")  # whatever the threshold
+
+
+STUDY_PROFILE = Path(__file__).resolve().parents[2] / "results" / "cpu_study_v2" / "calibration.json"
+
+
+def test_a_profile_threshold_applies_only_to_its_device_kind():
+    # The CPU study's profile learned its threshold on cpu: not a margin for an H100.
+    r = harness_cli(
+        "plan",
+        "model=llama3_8b",
+        "device=h100_80gb",
+        "parallel.dp=8",
+        "parallel.zero_stage=3",
+        "plan.solve=max_seq_len",
+        "threshold=profile",
+        f"calibration={STUDY_PROFILE}",
+    )
+    assert r.returncode == 2
+    assert "learned its threshold on cpu, not on h100_80gb" in r.stderr

@@ -94,3 +94,14 @@ def train_line(spec: RunSpec) -> str:
         f"(global batch {spec.global_batch_size}), recompute {rc}, {t.precision}, "
         f"{t.attention} attention"
     )
+
+
+def verdict(device_bytes: float, capacity_bytes: float, threshold: float) -> str:
+    """The verdict on a device level: ``fits`` within the safety margin (``threshold``, a ratio of the
+    capacity), ``over the safety margin`` between it and the card (with the headroom left), ``does NOT
+    fit`` over the card (by how much). Never "fits" above 100 % (issue 31)."""
+    if device_bytes <= threshold * capacity_bytes:
+        return "fits"
+    if device_bytes <= capacity_bytes:
+        return f"over the safety margin ({human(capacity_bytes - device_bytes)} of headroom left)"
+    return f"does NOT fit ({human(device_bytes - capacity_bytes)} over the card)"

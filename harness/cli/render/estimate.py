@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from harness.cli.render.common import TERM_MEANINGS, human, layout_line, train_line
+from harness.cli.render.common import TERM_MEANINGS, human, layout_line, train_line, verdict
 from harness.estimate.core import Estimate
 from harness.estimate.terms import STATE_TERMS, TERMS
 from harness.spec import config_id
@@ -50,7 +50,7 @@ def estimate_table(
     if len(cols) < len(est.stages):
         lines.append(f"({len(est.stages)} stages; format=json lists every one)")
     util = est.device_utilisation
-    verdict = "fits" if util <= threshold else "does NOT fit"
+    said = verdict(est.device_total_bytes, est.capacity_bytes, threshold)
     reserved = est.reserved_terms()
     lines += [
         "",
@@ -61,7 +61,7 @@ def estimate_table(
         f"{human(reserved['segment_rounding'])}, cuBLAS workspace {human(reserved['cublas_workspace'])}; "
         "fragmentation: calibration=PROFILE)",
         f"device level (what runs out): {human(est.device_total_bytes)} = {util:.1%} utilisation"
-        + ("" if calibrated_bytes is not None else f" → {verdict} (threshold {threshold:.0%})")
+        + ("" if calibrated_bytes is not None else f" → {said} (threshold {threshold:.0%})")
         + f" (CUDA context {human(est.outside_terms['cuda_context'])}, NCCL "
         f"{human(est.outside_terms['nccl'])})",
     ]
@@ -70,7 +70,7 @@ def estimate_table(
 
         device = verdict_bytes(est, profile)
         cal_util = device / est.capacity_bytes
-        cal_verdict = "fits" if cal_util <= threshold else "does NOT fit"
+        cal_verdict = verdict(device, est.capacity_bytes, threshold)
         reserved = profile.reserved_bytes(est)
         lines += [
             f"calibrated ({profile.path}): allocated {human(calibrated_bytes)}"
