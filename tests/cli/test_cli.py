@@ -196,3 +196,24 @@ def test_a_profile_threshold_applies_only_to_its_device_kind():
     )
     assert r.returncode == 2
     assert "learned its threshold on cpu, not on h100_80gb" in r.stderr
+
+
+@pytest.mark.parametrize("fmt", ["table", "json"])
+@pytest.mark.parametrize(
+    ("solve", "extra", "said"),
+    [
+        ("min_gpus", ["plan.max_gpus=8"], "no layout fits on any of 1, 2, 4, 8 devices"),
+        ("max_micro_batch", ["parallel.dp=1"], "not even micro-batch 1 fits"),
+        ("max_seq_len", ["parallel.dp=1"], "not even 128 tokens fit"),
+    ],
+)
+def test_every_reverse_question_without_an_answer_says_so(solve, extra, said, fmt, capsys):
+    # issue 31: min_gpus with no answer within plan.max_gpus ended in a traceback
+    code = main(["plan", "model=llama31_405b", f"plan.solve={solve}", f"format={fmt}", *extra])
+    out = capsys.readouterr().out
+    assert code == 0
+    if fmt == "json":
+        got = json.loads(out)
+        assert got["answer"] is None and got["best"] is None
+    else:
+        assert said in out and ": none; " in out

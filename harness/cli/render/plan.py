@@ -174,13 +174,15 @@ def solve_table(solution, opts: PlanOptions, *, top: int, explain: bool = False)
             lines += [f"layout  {layout_line(spec)}", f"train   {train_line(spec)}"]
     tried = ", ".join(map(str, solution.tried))
     if solution.answer is None:
-        why = {
-            "min_gpus": f"no layout fits on any of {tried} devices (plan.max_gpus to try more)",
-            "max_micro_batch": f"not even micro-batch 1 fits: {_verdict(solution.over)}",
-            "max_seq_len": f"not even {solution.tried[0]} tokens fit: {_verdict(solution.over)}"
-            if solution.over
-            else "",
-        }[q]
+        # (each reason built only for its own question: the others' rows may not exist)
+        if q == "min_gpus":
+            why = f"no layout fits on any of {tried} devices (plan.max_gpus to try more)"
+        elif solution.over is None:
+            why = f"nothing was estimated (tried {tried or 'nothing'})"
+        elif q == "max_micro_batch":
+            why = f"not even micro-batch 1 fits: {_verdict(solution.over)}"
+        else:
+            why = f"not even {solution.tried[0]} tokens fit: {_verdict(solution.over)}"
         lines.append(f"{SOLVE_WHAT[q]}: none; {why}")
         return "\n".join(lines)
     if q == "min_gpus":
