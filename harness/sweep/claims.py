@@ -65,13 +65,28 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def process_start(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot, /proc/<pid>/stat field 22): with the pid it
+    names one process, even after the pid is reused. None where /proc cannot say."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()  # (the command name may hold spaces)
+    return fields[19] if len(fields) > 19 else None
+
+
 def is_live(info: dict[str, Any] | None, age: float) -> bool:
-    """A claim still held: its heartbeat is recent and, on this host, its process exists."""
-    if age > EXPIRE_S:
-        return False
+    """A claim still held. On this host: its process exists — the same process, by its start time —
+    whatever the claim's age (a sweep stopped with Ctrl-Z sends no heartbeat and still holds its points:
+    issue 29, where its expired claims were taken and the point ran twice). On another host: its
+    heartbeat is recent."""
     if info and info.get("host") == _host() and isinstance(info.get("pid"), int):
-        return _pid_alive(info["pid"])
-    return True
+        if not _pid_alive(info["pid"]):
+            return False
+        started = info.get("pid_start")
+        return started is None or started == process_start(info["pid"])
+    return age <= EXPIRE_S
 
 
 def describe(info: dict[str, Any] | None) -> str:
@@ -81,7 +96,15 @@ def describe(info: dict[str, Any] | None) -> str:
 
 
 def _write(path: Path, token: str, *, exclusive: bool) -> bool:
-    data = json.dumps({"host": _host(), "pid": os.getpid(), "token": token, "since": time.time()})
+    data = json.dumps(
+        {
+            "host": _host(),
+            "pid": os.getpid(),
+            "pid_start": process_start(os.getpid()),
+            "token": token,
+            "since": time.time(),
+        }
+    )
     if not exclusive:  # our own sweep's claim, now held by this job: replace its content atomically
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
         tmp.write_text(data)
@@ -148,6 +171,12 @@ def holder(results_dir: str | Path, cid: str, token: str) -> dict[str, Any] | No
     if age is None or (info and info.get("token") == token) or not is_live(info, age):
         return None
     return info or {}
+
+
+def still_mine(results_dir: str | Path, cid: str, token: str) -> bool:
+    """Whether the claim on ``cid`` is still this sweep's (checked before its row is written)."""
+    info, age = read_claim(claim_path(results_dir, cid))
+    return age is not None and bool(info) and info.get("token") == token
 
 
 def release(results_dir: str | Path, cid: str, token: str) -> None:

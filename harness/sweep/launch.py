@@ -303,12 +303,12 @@ def run_job(cfg: dict[str, Any]) -> str:
         # a second line of defence against double runs (another sweep may have just finished it)
         if record_path(results_dir, cid).exists() and status not in retry:
             return "already done"
-        return _run_claimed(cfg, cid, task)
+        return _run_claimed(cfg, cid, task, token=token)
     finally:
         claims.release(results_dir, cid, token)
 
 
-def _run_claimed(cfg: dict[str, Any], cid: str, task) -> str:
+def _run_claimed(cfg: dict[str, Any], cid: str, task, *, token: str | None = None) -> str:
     results_dir = cfg["results_dir"]
     start = time.monotonic()
     previous = {}
@@ -338,6 +338,15 @@ def _run_claimed(cfg: dict[str, Any], cid: str, task) -> str:
         shutil.rmtree(task.shared_dir, ignore_errors=True)  # the interrupted point's rank files
     row["config_id"] = cid
     row["finished_at"] = time.time()  # Unix time; gaps between points measure the sweep's overhead
+    if token is not None and not claims.still_mine(results_dir, cid, token):
+        # Another sweep took the point over meanwhile (this one was stopped past its claim's expiry, on
+        # another host): its row is the truth, this result would overwrite it (issue 29).
+        print(
+            f"harness sweep: {cid}: the claim was taken over by another sweep while this one ran it; "
+            f"this result ({row['status']}) is discarded",
+            flush=True,
+        )
+        return "discarded: claim lost"
     try:
         write_record(_tag(row, cfg), results_dir)
     except OSError as exc:  # a full disk, a directory gone read-only: stop here, say it in one line

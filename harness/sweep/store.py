@@ -57,9 +57,28 @@ def write_atomic(table: pa.Table, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
         pq.write_table(table, tmp)
+        # On disk before the name points at it: after a crash the row is whole or absent, never a
+        # named file with damaged data (issue 29).
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync_directory(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (where the filesystem lets a directory be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def write_record(record: dict[str, Any], results_dir: str | Path) -> Path:
@@ -83,16 +102,37 @@ def dataset_files(results_dir: str | Path) -> list[Path]:
     return sorted(root.glob("dataset*.parquet")) if root.is_dir() else []
 
 
-def _readable(path: Path) -> bool:
+ROW_OK, ROW_UNOPENABLE, ROW_DAMAGED = "ok", "unopenable", "damaged"
+
+
+def row_state(path: Path) -> tuple[str, str | None]:
+    """Whether a row file is its point's row — the one test of both "done" and "readable" (issue 29):
+
+    - ``ok``: it opens, its ``config_id`` and ``status`` columns read, and its ``config_id`` is its name;
+    - ``unopenable``: the file could not be opened at all (EACCES on another user's row, EMFILE, EIO,
+      a stale NFS handle): nothing says it is damaged, so it is never set aside and its point counts as
+      present — a machine's fault must not make a good row run again;
+    - ``damaged``: it opened, and is not a row of its point (not parquet, truncated, data that does not
+      decode, no ``config_id``/``status``, or another point's ``config_id``).
+    The second value says why, for the last two."""
     try:
-        pq.read_metadata(path)
-    except Exception:  # truncated, empty, not parquet: whatever pyarrow says, it cannot be read
-        return False
-    return True
+        with open(path, "rb") as f:
+            f.read(4)
+    except OSError as exc:
+        return ROW_UNOPENABLE, f"{exc.strerror or exc}"
+    try:
+        table = pq.read_table(path, columns=["config_id", "status"])
+        ids = table.column("config_id").to_pylist()
+        table.column("status").to_pylist()
+    except Exception as exc:  # whatever pyarrow says of the bytes it was given
+        return ROW_DAMAGED, f"{type(exc).__name__}: {exc}"
+    if ids != [path.stem]:
+        return ROW_DAMAGED, f"its config_id is {ids[:1]}, not its file name"
+    return ROW_OK, None
 
 
 def set_aside(path: Path) -> Path:
-    """Move an unreadable row file out of the way (``<name>.corrupt``): its point has no row any more
+    """Move a damaged row file out of the way (``<name>.corrupt``): its point has no row any more
     and runs again (issue 12: a truncated file counted as done, so its point never ran again)."""
     target = path.with_name(f"{path.name}.corrupt")
     os.replace(path, target)
@@ -121,15 +161,19 @@ def existing_ids(results_dir: str | Path, *, set_aside_unreadable: bool = False)
     is moved aside, named on stderr, and its point counts as not done."""
     files = result_files(results_dir)
     with ThreadPoolExecutor(READ_THREADS) as pool:
-        readable = list(pool.map(_readable, files))
+        states = list(pool.map(row_state, files))
     ids = set()
-    for path, ok in zip(files, readable, strict=True):
-        if ok:
+    for path, (state, why) in zip(files, states, strict=True):
+        if state == ROW_OK:
             ids.add(path.stem)
+        elif state == ROW_UNOPENABLE:
+            ids.add(path.stem)
+            print(f"harness: warning: cannot open {path} ({why}); its point counts as done", file=sys.stderr)
         elif set_aside_unreadable:
             target = set_aside(path)
             print(
-                f"harness: unreadable row file moved aside to {target}; its point runs again", file=sys.stderr
+                f"harness: damaged row file ({why}) moved aside to {target}; its point runs again",
+                file=sys.stderr,
             )
     row_ids = {p.stem for p in files}
     for path in dataset_files(results_dir):
@@ -257,6 +301,10 @@ def _try(fn, *args):
         return None, exc
 
 
+class CompactError(ValueError):
+    """A compaction that would overwrite a dataset it could not read."""
+
+
 def compact(results_dir: str | Path, *, name: str = "dataset") -> tuple[Path, int, list[str]]:
     """Merge every run of a directory into ``<results_dir>/<name>.parquet`` (atomically) and return the
     path, the number of runs and the unreadable files. Per-run files are kept (they stay the truth);
@@ -266,12 +314,19 @@ def compact(results_dir: str | Path, *, name: str = "dataset") -> tuple[Path, in
         raise FileNotFoundError(f"results_dir={results_dir} is not a directory")
     frame, bad = load_results(root)
     skipped = {line.split(": ", 1)[0] for line in bad}
+    target = root / f"{name}.parquet"
+    unread = [line for line in bad if line.split(": ", 1)[0] == str(target)]
+    if unread:
+        # Never overwrite what was not read: its runs would be lost (issue 29: a truncated committed
+        # dataset became "0 runs", one with a column of an older type "2 runs").
+        raise CompactError(
+            f"{unread[0]}; not overwritten: move it aside (its runs are not in the row files) or fix it"
+        )
     row_ids = sorted(p.stem for p in result_files(root) if str(p) not in skipped)
     table = pa.Table.from_pandas(frame, preserve_index=False)
     meta = {**(table.schema.metadata or {}), ROW_FILES_KEY: json.dumps(row_ids).encode()}
-    path = root / f"{name}.parquet"
-    write_atomic(table.replace_schema_metadata(meta), path)
-    return path, len(frame), bad
+    write_atomic(table.replace_schema_metadata(meta), target)
+    return target, len(frame), bad
 
 
 def status_counts(frame: pd.DataFrame) -> Counter:

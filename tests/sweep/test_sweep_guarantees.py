@@ -98,6 +98,50 @@ def test_the_heartbeat_keeps_a_held_claim_alive_and_no_other(tmp_path):
     )
 
 
+def test_a_stopped_sweeps_claim_on_this_host_is_live_whatever_its_age(tmp_path):
+    # issue 29: a sweep stopped with Ctrl-Z for over EXPIRE_S sends no heartbeat; its process is alive,
+    # so its points stay its own (before, a second sweep took them and the point ran twice).
+    stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        path = claims.claim_path(tmp_path, "abc")
+        path.parent.mkdir(parents=True)
+        start = claims.process_start(stopped.pid)
+        assert start is not None
+        info = {"host": claims._host(), "pid": stopped.pid, "pid_start": start, "token": "stopped"}
+        path.write_text(json.dumps(info))
+        old = time.time() - 10 * claims.EXPIRE_S
+        os.utime(path, (old, old))
+        held, holder = claims.try_claim(tmp_path, "abc", "second")
+        assert not held and holder["token"] == "stopped"
+        # The same pid with another start time is another process (the pid was reused): not live.
+        path.write_text(json.dumps({**info, "pid_start": str(int(start) + 1)}))
+        assert claims.try_claim(tmp_path, "abc", "second") == (True, None)
+        claims.release(tmp_path, "abc", "second")
+    finally:
+        stopped.kill()
+        stopped.wait()
+
+
+def test_a_job_whose_claim_was_taken_over_discards_its_result(tmp_path, capsys, monkeypatch):
+    # The first sweep resumed after another took its point over and wrote ok: its late result must
+    # not overwrite that row (issue 29: a false timeout over the second's ok).
+    cfg = config(tmp_path, "++sweep.claim=first")
+    cid = point_id(cfg)
+
+    def taken_over(spec, **kwargs):
+        write_record(row(cfg, "ok"), tmp_path)  # the other sweep's row ...
+        claims.claim_path(tmp_path, cid).write_text(  # ... under its claim
+            json.dumps({"host": "node-17", "pid": 1, "token": "second"})
+        )
+        return {**row(cfg, "timeout"), "error": "late"}
+
+    monkeypatch.setattr("harness.runner.supervisor.run_point", taken_over)
+    assert run_job(cfg) == "discarded: claim lost"
+    assert "this result (timeout) is discarded" in capsys.readouterr().out
+    assert pq.read_table(record_path(tmp_path, cid)).column("status").to_pylist() == ["ok"]
+    claims.claim_path(tmp_path, cid).unlink()
+
+
 def test_a_job_skips_a_point_another_sweep_holds(tmp_path, capsys, monkeypatch):
     cfg = config(tmp_path, "++sweep.claim=mine")
     assert claims.try_claim(tmp_path, point_id(cfg), "theirs")[0]
