@@ -48,21 +48,29 @@ def fsdp_root_regather(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: in
     return 2 * e * root + grad_out
 
 
-def fsdp_backward_end(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int) -> int:
+def fsdp_backward_end(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, gloo: bool) -> int:
     """torch, ZeRO-3: what the last stage's rank holds beyond parameters and optimizer state at the end
     of backward, when FSDP2 reduces the root's gradients: every layer's sharded FP32 gradients
-    (4n/(d·c)), the root unsharded (its all-gather output and parameters, 2·e·root — as
-    :func:`fsdp_root_regather`) and one vocabulary matrix's dense gradient, e·v·h/t.
+    (4n/(d·c), the root's reduce-scatter output among them), the root's reduce-scatter input — its
+    unsharded gradients in the FP32 reduce dtype whatever the training precision, padded to d·c equal
+    shards (``foreach_reduce`` writes the gradients straight into it) — and one vocabulary matrix's
+    dense gradient, e·v·h/t. Over gloo (``device=cpu``) the reduce-scatter also holds a whole copy of its
+    input while it runs (``ProcessGroupGloo::_reduce_scatter_base`` clones it, then all-reduces the
+    copy); NCCL reduces from the input itself.
 
     Found on ``medium`` (v 16,384, h 384, FP32) with full recomputation at dp 2 and dp 4, where this is
     the peak (issue 15: -14 % and -9.5 %): the measured peak less the states is 4n/d + 133.8 MiB at
-    both; 2·e·root = 96 MiB and e·v·h = 24 MiB account for 120, the rest being the rotary tables
-    (1.5 MiB) and 12.4 MiB the tracker does not see, neither modelled."""
+    both; the input and gloo's copy, 2 × 4·root = 96 MiB, and e·v·h = 24 MiB account for 120, the rest
+    being the rotary tables (1.5 MiB) and 12.4 MiB the tracker does not see, neither modelled. Counted
+    as 2·e·root before issue 30 (an unsharded root in the compute dtype), which is the same in FP32 but
+    half the input and copy in BF16: ``small``, BF16, ZeRO-3 on the CPU measured 112.8 MiB where the
+    engine said 96.3 (traced: input 16 MiB, gloo's copy 16 MiB, output 8 MiB at the peak)."""
     e = elem_bytes(t.precision)
     n = stage_params(m, stage=stage, pp=p.pp, tp=p.tp)
     shards = p.dp * p.cp
     root = non_layer_params(m, stage=stage, pp=p.pp, tp=p.tp)
-    return -(-4 * n // shards) + 2 * e * root + e * m.vocab_size * m.hidden_size // p.tp
+    padded = -(-root // shards) * shards
+    return -(-4 * n // shards) + 4 * padded * (2 if gloo else 1) + e * m.vocab_size * m.hidden_size // p.tp
 
 
 def grad_reduce(m: ModelSpec, *, tp: int, zero_stage: int, shards: int, engine: str) -> int:

@@ -90,7 +90,7 @@ def fsdp_last_stage_peaks(
     extra = max(0, buf.fsdp_root_regather(m, p, t, stage=stage) - terms["logits"] - terms["loss"])
     terms["fsdp_allgather"] += extra
     buffers += extra
-    end = buf.fsdp_backward_end(m, p, t, stage=stage) - terms["grads"]
+    end = buf.fsdp_backward_end(m, p, t, stage=stage, gloo=spec.device.name == "cpu") - terms["grads"]
     extra = max(0, end - (buffers + activations))
     terms["fsdp_allgather"] += extra
     return buffers + extra

@@ -126,8 +126,9 @@ def test_torch_ddp_gradient_accumulation_holds_a_second_gradient_copy():
 def test_torch_zero3_backward_end_is_the_peak_under_full_recomputation():
     # Issue 15: medium (n = 25,565,568; root = 2·16,384·384 + 384 = 12,583,296), dp 2, ZeRO-3, full
     # recomputation, FP32, s 512, b 1: the end of backward holds the sharded gradients 4n/2 =
-    # 51,131,136 B, the root unsharded twice 2·4·root = 100,666,368 B and one vocabulary matrix's
-    # gradient 4·16,384·384 = 25,165,824 B: 176,963,328 B beyond params and optimizer state.
+    # 51,131,136 B, the root's FP32 reduce-scatter input and gloo's copy of it 2·4·root = 100,666,368 B
+    # and one vocabulary matrix's gradient 4·16,384·384 = 25,165,824 B: 176,963,328 B beyond params and
+    # optimizer state.
     from harness.estimate import buffers as buf
     from harness.estimate import estimate
 
@@ -139,7 +140,16 @@ def test_torch_zero3_backward_end_is_the_peak_under_full_recomputation():
         train_precision="fp32",
         train_seq_len=512,
     )
-    assert buf.fsdp_backward_end(s.model, s.parallel, s.train, stage=0) == 176_963_328
+    assert buf.fsdp_backward_end(s.model, s.parallel, s.train, stage=0, gloo=True) == 176_963_328
+    # NCCL makes no copy of the input (issue 30): 4·root less.
+    assert (
+        buf.fsdp_backward_end(s.model, s.parallel, s.train, stage=0, gloo=False) == 176_963_328 - 50_333_184
+    )
+    # BF16: the input is FP32 all the same (the reduce dtype), the vocabulary gradient BF16.
+    import dataclasses
+
+    b = dataclasses.replace(s.train, precision="bf16")
+    assert buf.fsdp_backward_end(s.model, s.parallel, b, stage=0, gloo=True) == 176_963_328 - 12_582_912
     terms = estimate(s).worst.terms
     # It is the larger candidate here (activations are few): the forward/backward terms add up to it.
     fwd_bwd = sum(v for k, v in terms.items() if k not in ("params", "grads", "optimizer", "step_grads"))

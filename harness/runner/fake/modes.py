@@ -160,3 +160,38 @@ def _fake_deepcopy(fake_mode) -> Iterator[None]:
         yield
     finally:
         pipeline.copy = copy
+
+
+@contextlib.contextmanager
+def _gloo_reduce_scatter_copy(gloo: bool) -> Iterator[None]:
+    """On ``device=cpu`` (gloo): FSDP2's reduce-scatter holds a whole copy of its input for the call, as
+    gloo's does — ``ProcessGroupGloo::_reduce_scatter_base`` runs ``reduce_scatter_tensor_coalesced``,
+    which clones the input, all-reduces the clone and copies this rank's chunk out (torch 2.13
+    ProcessGroupGloo.cpp; measured: ``aten::clone`` +16 MiB for a 16 MiB input). The fake process group
+    allocates nothing, so without this a CPU trace missed the copy at the root's reduce-scatter, the
+    real run's peak (issue 30: ``small``, BF16, ZeRO-3, 112.8 MiB real against 96.8 traced). NCCL makes
+    no such copy (``ncclReduceScatter`` from the input's own pointer): GPU presets trace without it."""
+    if not gloo:
+        yield
+        return
+    import torch
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    original = _fsdp_collectives.DefaultReduceScatter.__call__
+    # The copy is gloo's, not FSDP2's: on the stream current outside FSDP2's reduce-scatter stream, as a
+    # real CPU trace records it (its side streams hold the reduce-scatter outputs only).
+    default = torch.cpu.current_stream()
+
+    def call(self, output_tensor, input_tensor, group, op, async_op=False):
+        with torch.cpu.stream(default):
+            copy = input_tensor.clone()  # gloo's working copy, alive while the collective runs
+        try:
+            return original(self, output_tensor, input_tensor, group, op, async_op)
+        finally:
+            del copy
+
+    _fsdp_collectives.DefaultReduceScatter.__call__ = call
+    try:
+        yield
+    finally:
+        _fsdp_collectives.DefaultReduceScatter.__call__ = original

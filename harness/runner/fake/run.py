@@ -20,6 +20,9 @@ What differs from the real run, and how it is handled:
   reducer does (``Reducer::rebuild_buckets``). Collectives move no memory under the fake group.
 - FSDP2 on a 2-D (dp × tp) mesh builds a concatenated DeviceMesh from real index tensors, which fails
   inside FakeTensorMode; the mesh construction runs with fake mode suspended (``_real_meshes``).
+- gloo's reduce-scatter clones its input for the call (``device=cpu`` runs); the fake group allocates
+  nothing, so on ``device=cpu`` the trace makes that copy (``modes._gloo_reduce_scatter_copy``); NCCL
+  makes none, and GPU presets trace without it.
 - On a GPU preset the CPU's kernels are replaced by what CUDA's save and allocate
   (:mod:`harness.runner.fake.kernels`); on ``device=cpu`` the CPU kernels are the truth.
 - Not seen at all: the CUDA context, NCCL's buffers, cuBLAS/cuDNN workspaces chosen at run time. The

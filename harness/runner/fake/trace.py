@@ -9,6 +9,7 @@ from typing import Any
 from harness.runner.fake.modes import (
     _bucketed_ddp,
     _fake_deepcopy,
+    _gloo_reduce_scatter_copy,
     _local_stage_meta,
     _private_sharding_propagation,
     _real_meshes,
@@ -61,6 +62,7 @@ def trace_rank(
             _local_stage_meta(spec),
             _fake_deepcopy(fake_mode),
             _private_sharding_propagation(),
+            _gloo_reduce_scatter_copy(spec.device.name == "cpu"),
             kernels,
         ):
             model = Llama(spec.model, seq_len=t.seq_len, attention=t.attention)
