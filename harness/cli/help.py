@@ -179,7 +179,7 @@ COMMAND_HELP: dict[str, Command] = {
         "ok, oom, timeout, crash or invalid. Exit status 0 for every recorded outcome, 1 when the status "
         "is listed in run.fail_on, 2 for bad input, 143 when SIGTERM ends it mid-point (no record). The "
         "device stays cpu unless device= is named.",
-        ("model.", "parallel.", "train.", "device.", "format", "results_dir", "run."),
+        ("model.", "parallel.", "train.", "device.", "format", "threshold", "results_dir", "run."),
         ("model", "parallel", "train", "device"),
         ("harness run parallel.dp=2 parallel.tp=2 parallel.zero_stage=3 run.fail_on=oom,crash,timeout",),
     ),

@@ -228,7 +228,7 @@ def _run(overrides: Sequence[str]) -> int:
     from harness.sweep.launch import run_artifacts, run_timeout, slurm_task
 
     cfg = compose(overrides)
-    fmt, _ = _output_settings(cfg)
+    fmt, threshold = _output_settings(cfg)
     fail_on = fail_statuses(cfg["run"].get("fail_on"))
     run_timeout(cfg)  # run.timeout_s checked here (inf, <= 0: one line, exit 2); run_configured reads it
     # Unknown or missing keys are a usage error (one line, exit 2); an impossible layout is a record.
@@ -239,7 +239,7 @@ def _run(overrides: Sequence[str]) -> int:
     record = run_configured(spec, cfg["run"], task=task, artifacts=run_artifacts(cfg))  # real or fake
     if record is None:
         return 0
-    print(record_json(record) if fmt == "json" else record_table(record))
+    print(record_json(record) if fmt == "json" else record_table(record, threshold=threshold))
     # Every recorded outcome, including oom/timeout/crash/invalid, is a success of the command, unless
     # run.fail_on lists it (a CI script that needs a failing exit code).
     return 1 if record["status"] in fail_on else 0

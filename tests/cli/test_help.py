@@ -289,3 +289,25 @@ def test_run_exits_0_for_a_recorded_outcome_unless_fail_on_lists_it():
     assert listed.returncode == 1 and "status INVALID" in listed.stdout
     other = harness_cli("run", "parallel.tp=3", "run.fail_on=oom,crash,timeout", timeout=120)
     assert other.returncode == 0
+
+
+def test_a_gpu_fake_run_prints_its_three_levels_with_the_verdict(tmp_path):
+    # issue 31: a fake run printed its allocated peak only, while the replayed reserved level and the
+    # device level (with the CUDA context and NCCL) are what decide a GPU run; traced, not "measured".
+    from conftest import harness_cli
+
+    r = harness_cli(
+        "run",
+        "run.mode=fake",
+        "model=tiny",
+        "device=h100_80gb",
+        "parallel.dp=2",
+        "parallel.zero_stage=3",
+        f"results_dir={tmp_path}",
+        "threshold=0.5",
+    )
+    assert r.returncode == 0, r.stderr
+    assert "→ traced/estimate" in r.stdout and "measured" not in r.stdout
+    line = next(ln for ln in r.stdout.splitlines() if ln.strip().startswith("levels:"))
+    assert "(traced)" in line and "(replayed)" in line and "+ CUDA context and NCCL, estimated" in line
+    assert line.endswith("→ fits (threshold 50%)")

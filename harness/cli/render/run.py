@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from harness.cli.render.common import human, human_bytes_in, recompute_label
+from harness.cli.render.common import human, human_bytes_in, recompute_label, verdict
 
 
 def _clean(value: Any) -> Any:
@@ -35,7 +35,42 @@ def _timing(r: dict[str, Any]) -> str:
     return text
 
 
-def record_table(record: dict[str, Any]) -> str:
+def levels_line(r: dict[str, Any], threshold: float) -> str | None:
+    """A GPU preset's three levels with the verdict ``estimate`` gives (issue 31: a fake run of
+    Llama-3-8B said "OK, 64.49 GiB" while its replayed reserved peak was 79.19 GiB of a 79.65 GiB
+    card): allocated, reserved (measured on CUDA, else replayed from the rank's trace) and the device
+    level (measured on CUDA, else reserved plus the estimate's CUDA context and NCCL buffers)."""
+    if r.get("device_name") in (None, "cpu") or r.get("peak_allocated_bytes") is None:
+        return None
+    from harness.estimate import estimate
+    from harness.spec import InvalidSpec, from_flat
+
+    try:
+        est = estimate(from_flat(r))
+    except (InvalidSpec, KeyError, TypeError, ValueError):
+        return None
+    traced = r.get("memory_method") == "fake"
+    if r.get("peak_reserved_bytes") is not None:
+        reserved, how = r["peak_reserved_bytes"], "measured"
+    elif r.get("sim_peak_reserved_bytes") is not None:
+        reserved, how = r["sim_peak_reserved_bytes"], "replayed"
+    else:
+        reserved, how = None, None
+    if r.get("device_used_bytes") is not None:
+        device, dhow = r["device_used_bytes"], "measured"
+    elif reserved is not None:
+        device, dhow = reserved + est.outside_allocator_bytes, "+ CUDA context and NCCL, estimated"
+    else:
+        return None
+    capacity = est.capacity_bytes
+    return (
+        f"  levels: allocated {human(r['peak_allocated_bytes'])} ({'traced' if traced else 'measured'}), "
+        f"reserved {human(reserved)} ({how}), device {human(device)} ({dhow}) of {human(capacity)} "
+        f"= {device / capacity:.1%} → {verdict(device, capacity, threshold)} (threshold {threshold:.0%})"
+    )
+
+
+def record_table(record: dict[str, Any], *, threshold: float = 0.8) -> str:
     r = record
     rc = recompute_label(
         r["train_recompute"], r.get("train_recompute_every"), r.get("train_recompute_method")
@@ -66,9 +101,13 @@ def record_table(record: dict[str, Any]) -> str:
             )
         if r.get("est_total_bytes") is not None:
             ratio = r["peak_allocated_bytes"] / r["est_total_bytes"]
+            said = "traced" if r.get("memory_method") == "fake" else "measured"
             lines.append(
-                f"  estimate (engine torch): {human(r['est_total_bytes'])} → measured/estimate {ratio:.2f}"
+                f"  estimate (engine torch): {human(r['est_total_bytes'])} → {said}/estimate {ratio:.2f}"
             )
+        levels = levels_line(r, threshold)
+        if levels:
+            lines.append(levels)
         mfu = r.get("mfu")
         if r.get("fake_traced_ranks") is not None:  # run.mode=fake: memory only, no step was timed
             lines.append(f"  fake run: traced ranks {r['fake_traced_ranks']}, kernels {r['fake_kernels']}")
