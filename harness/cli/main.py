@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 
 from harness import __version__
 from harness.cli.config import ConfigError, compose, engine_name, gpu_scale_defaults, run_spec
+from harness.cli.results import load_runs, report_command, results_command
 from harness.runner.procs import Terminated
 from harness.spec import InvalidSpec
 
@@ -233,6 +234,7 @@ def _run(overrides: Sequence[str]) -> int:
     run_timeout(cfg)  # run.timeout_s checked here (inf, <= 0: one line, exit 2); run_configured reads it
     # Unknown or missing keys are a usage error (one line, exit 2); an impossible layout is a record.
     spec = run_spec(cfg)
+    _refuse_beyond_reach(spec, cfg)
     # Under `srun --nodes=N` (or several tasks of one node) each task forks its block of the ranks,
     # sharing a directory under results_dir; task 0 prints the record, the others print nothing.
     task = slurm_task(str(cfg["results_dir"]), spec_id(spec))
@@ -243,6 +245,25 @@ def _run(overrides: Sequence[str]) -> int:
     # Every recorded outcome, including oom/timeout/crash/invalid, is a success of the command, unless
     # run.fail_on lists it (a CI script that needs a failing exit code).
     return 1 if record["status"] in fail_on else 0
+
+
+def _refuse_beyond_reach(spec, cfg: dict) -> None:
+    """A real run the sweep would never launch (its estimate many times the device, or on the CPU its
+    ranks beyond the host's RAM) is refused up front, with the estimate and the way to see it anyway
+    (issue 31: `run` of a paper-scale model on the CPU waited out its timeout)."""
+    if str(cfg["run"].get("mode", "real")) != "real":
+        return
+    from harness.estimate import estimate
+    from harness.spec import canonical
+    from harness.sweep.launch import beyond_reach
+
+    try:
+        est = estimate(canonical(spec))
+    except InvalidSpec:
+        return  # the run records it as invalid, with the reason
+    reason = beyond_reach(spec, est, cfg)
+    if reason:
+        raise ValueError(f"not run: {reason}; run.mode=fake traces it without the memory")
 
 
 def fail_statuses(value) -> frozenset[str]:
@@ -267,38 +288,6 @@ def _sweep(overrides: Sequence[str]) -> int:
     return sweep(overrides)
 
 
-def _results(args: Sequence[str]) -> int:
-    """`harness results status|compact [results_dir=DIR]`."""
-    from harness.sweep.progress import leftover_points, what_is_left
-    from harness.sweep.store import compact, load_results, status_counts
-
-    action = args[0] if args and "=" not in args[0] else "status"
-    opts = dict(a.split("=", 1) for a in args if "=" in a)
-    unknown = set(opts) - {"results_dir"}
-    if unknown or action not in ("status", "compact"):
-        raise ValueError(f"usage: harness results status|compact [results_dir=DIR] (got {list(args)})")
-    root = opts.get("results_dir", "results")
-    if not os.path.isdir(root):  # compact would create it; status would count nothing (issue 12)
-        raise ValueError(f"results_dir={root} is not a directory")
-    if action == "compact":
-        path, n, bad = compact(root)
-        print(f"{n} runs → {path}")
-    else:
-        frame, bad = load_results(root, columns=["config_id", "status"])  # only what it counts
-        counts = status_counts(frame)
-        print(
-            f"{root}: {len(frame)} runs: "
-            + (", ".join(f"{s} {n}" for s, n in counts.most_common()) or "none")
-        )
-        ids = set(frame["config_id"]) if "config_id" in frame else set()
-        for line in (what_is_left(root, ids), leftover_points(root)):
-            if line:
-                print(line)
-    for line in bad:
-        print(f"unreadable: {line}", file=sys.stderr)
-    return 0
-
-
 def _calibrate(overrides: Sequence[str]) -> int:
     from harness.analysis.calibrate import evaluate, profile_of, save_profile
     from harness.analysis.steptime import evaluate_step_time, step_time_section
@@ -307,7 +296,7 @@ def _calibrate(overrides: Sequence[str]) -> int:
     cfg = compose(overrides)
     fmt, _ = _output_settings(cfg)
     root = str(cfg["results_dir"])
-    frame = _load(root)
+    frame = load_runs(root)
     group_by = str(cfg["calibrate"]["group_by"])
     ev = evaluate(frame, engine=engine_name(cfg), group_by=group_by)
     st = evaluate_step_time(frame, group_by=group_by)  # None: too few timed runs
@@ -328,43 +317,10 @@ def _calibrate(overrides: Sequence[str]) -> int:
     return 0
 
 
-def _report(overrides: Sequence[str]) -> int:
-    from harness.analysis.report import write_report
-
-    cfg = compose(overrides)
-    root = str(cfg["results_dir"])
-    frame = _load(root)
-    path = write_report(
-        frame,
-        out_dir=cfg["report"]["out"] or root,
-        results_dir=root,
-        engine=engine_name(cfg),
-        group_by=str(cfg["calibrate"]["group_by"]),
-    )
-    print(f"report: {path}")
-    return 0
-
-
 def _replay(overrides: Sequence[str]) -> int:
     from harness.cli.replay import replay_command
 
     return replay_command(overrides)
-
-
-def _load(root: str):
-    """The runs of ``root`` (unreadable files named on stderr); a missing or empty directory is an error."""
-    from pathlib import Path
-
-    from harness.sweep.store import load_results
-
-    if not Path(root).is_dir():
-        raise ValueError(f"results_dir={root} is not a directory")
-    frame, bad = load_results(root)
-    for line in bad:
-        print(f"unreadable: {line}", file=sys.stderr)
-    if frame.empty:
-        raise ValueError(f"results_dir={root} holds no runs")
-    return frame
 
 
 def _help(command: str, args: Sequence[str]) -> int:
@@ -396,9 +352,9 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "plan": _plan,
     "run": _run,
     "sweep": _sweep,
-    "results": _results,
+    "results": results_command,
     "calibrate": _calibrate,
-    "report": _report,
+    "report": report_command,
     "replay": _replay,
 }
 

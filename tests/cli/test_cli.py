@@ -217,3 +217,11 @@ def test_every_reverse_question_without_an_answer_says_so(solve, extra, said, fm
         assert got["answer"] is None and got["best"] is None
     else:
         assert said in out and ": none; " in out
+
+
+def test_a_real_run_beyond_reach_is_refused_up_front_with_the_way_to_see_it(tmp_path):
+    # issue 31: `run` of a paper-scale model on the CPU launched its ranks and waited out the timeout
+    r = harness_cli("run", "model=llama3_8b", "device=cpu", f"results_dir={tmp_path}")
+    assert r.returncode == 2 and r.stdout == ""
+    assert "not run: estimate" in r.stderr and "run.mode=fake traces it" in r.stderr
+    assert list(tmp_path.iterdir()) == []
