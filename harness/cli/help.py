@@ -47,6 +47,7 @@ MEANINGS: dict[str, str] = {
     ),
     "train.precision": "bf16 (mixed precision) | fp32",
     "train.attention": "flash (no s×s scores stored) | math (scores materialised)",
+    "train.grad_sync": "with accumulation over dp: reduce after the last micro-batch | every_microbatch",
     "train.steps": "steps run: 1 warm-up, then timed steps (>= 2)",
     # device
     "device.name": "the device's label (part of config_id)",

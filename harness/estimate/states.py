@@ -110,11 +110,18 @@ def torch_grads_at_peak(p: ParallelSpec, t: TrainSpec, *, stage: int) -> str:
       gradient accumulation (m > 1), and pipeline stages whose in-flight micro-batches are fewer than
       their micro-batches (1F1B's last stage from its second micro-batch on; never GPipe, whose
       forwards all come first). FSDP2 accumulates them unsharded, in FP32 (its reduce dtype).
+    - ``"kept"`` also under ``train.grad_sync=every_microbatch`` with accumulation (no pipeline).
     - ``"none"``: the peak (at the loss of the only micro-batch, or at the end of a pipeline's warm-up)
       comes before any backward; the gradients are a term of the optimizer step only. Measured on the
       CPU study: a single rank's and FSDP's peak hold no gradients.
     """
     shards = p.dp * p.cp
+    if shards > 1 and p.pp == 1 and t.num_microbatches > 1 and t.grad_sync == "every_microbatch":
+        # Reduced after each micro-batch: DDP's buckets (the gradients are views of them) take every
+        # micro-batch's all-reduce and nothing accumulates beside them; FSDP2 reduce-scatters each
+        # micro-batch's gradients and accumulates the FP32 shard. Either way a later micro-batch's
+        # peak holds the states' own gradients and no unsharded copy.
+        return "kept"
     if shards > 1 and p.zero_stage <= 1 and p.pp == 1:
         return "kept_and_accumulated" if t.num_microbatches > 1 else "kept"
     if p.pp == 1:

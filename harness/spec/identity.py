@@ -30,7 +30,8 @@ def canonical(spec: RunSpec) -> RunSpec:
     pp = 1, ``sequence_parallel`` when tp = 1, ``cp_load_balance`` when cp = 1; and it resolves
     ``num_microbatches`` None to pp; ``recompute_every`` and ``recompute_method`` when recompute is not
     full; and Megatron's methods where they checkpoint every block alone, as ``every`` 1 does: ``uniform``
-    with N = 1, ``block`` with N at least the layers of a model chunk (L/(pp·virtual_stages)).
+    with N = 1, ``block`` with N at least the layers of a model chunk (L/(pp·virtual_stages)); and
+    ``grad_sync`` to ``last`` where one micro-batch or one data-parallel rank leaves nothing to choose.
     """
     reasons = problems(spec)
     if reasons:
@@ -60,6 +61,8 @@ def canonical_form(spec: RunSpec) -> RunSpec:
         or (t.recompute_method == "block" and t.recompute_every >= chunk_layers)
     ):
         t = dataclasses.replace(t, recompute_every=1, recompute_method="every")
+    if t.num_microbatches == 1 or p.dp * p.cp == 1:  # nothing accumulated over data parallel ranks
+        t = dataclasses.replace(t, grad_sync="last")
     return dataclasses.replace(spec, parallel=p, train=t)
 
 

@@ -18,10 +18,15 @@ RECOMPUTE = ("none", "selective", "op", "full")
 RECOMPUTE_METHODS = ("every", "uniform", "block")
 PRECISIONS = ("bf16", "fp32")
 ATTENTION = ("flash", "math")
+# When data parallelism reduces gradients under accumulation (m > 1): after the "last" micro-batch only
+# (DDP's no_sync, FSDP2's set_requires_gradient_sync(False) before it: this runner's first choice, and
+# Megatron's with overlap off), or after "every_microbatch" (torchtitan's default: FSDP2 reduce-scatters
+# each micro-batch's gradients and accumulates the shard; DDP all-reduces each into its buckets).
+GRAD_SYNC = ("last", "every_microbatch")
 # Fields added after the first study, left out of the hashed payload (config_id, raw_id) while they hold
 # this default, so that every spec that existed before keeps its id.
 ADDED_FIELD_DEFAULTS = {
-    "train": {"recompute_every": 1, "recompute_method": "every"},
+    "train": {"recompute_every": 1, "recompute_method": "every", "grad_sync": "last"},
     # The device's memory-beside-tensors constants and step-time figures: config_id hashes only the
     # device's name and capacity; raw_id (invalid points) leaves them out while they hold the default.
     "device": {
@@ -108,6 +113,7 @@ class TrainSpec:
     precision: str = "bf16"
     attention: str = "flash"
     steps: int = 3
+    grad_sync: str = "last"  # GRAD_SYNC; canonical: "last" where nothing is accumulated over data parallel
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,15 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from harness.spec.types import ATTENTION, PP_SCHEDULES, PRECISIONS, RECOMPUTE, RECOMPUTE_METHODS, RunSpec
+from harness.spec.types import (
+    ATTENTION,
+    GRAD_SYNC,
+    PP_SCHEDULES,
+    PRECISIONS,
+    RECOMPUTE,
+    RECOMPUTE_METHODS,
+    RunSpec,
+)
 
 
 def _field_type_problems(spec: Any, section: str) -> list[str]:
@@ -155,7 +163,13 @@ def layout_problems(spec: RunSpec) -> list[str]:
         ("train.recompute_method", t.recompute_method, RECOMPUTE_METHODS),
         ("train.precision", t.precision, PRECISIONS),
         ("train.attention", t.attention, ATTENTION),
+        ("train.grad_sync", t.grad_sync, GRAD_SYNC),
     ):
         if value not in allowed:
             out.append(f"{name}={value!r} must be one of {', '.join(allowed)}")
+    if t.grad_sync == "every_microbatch" and p.pp > 1:
+        out.append(
+            "train.grad_sync=every_microbatch needs pp = 1: torch's pipeline schedules reduce the "
+            f"gradients after the last micro-batch (pp = {p.pp})"
+        )
     return out

@@ -127,6 +127,17 @@ LAYOUTS = {
     "dp2-zero3-recompute-op": dict(
         parallel_dp=2, parallel_zero_stage=3, train_micro_batch_size=2, train_recompute="op"
     ),
+    # train.grad_sync=every_microbatch: reduced after each micro-batch (torchtitan's choice, issue 28)
+    "dp2-zero0-every-microbatch": dict(
+        parallel_dp=2, train_micro_batch_size=1, train_num_microbatches=2, train_grad_sync="every_microbatch"
+    ),
+    "dp2-zero3-every-microbatch": dict(
+        parallel_dp=2,
+        parallel_zero_stage=3,
+        train_micro_batch_size=1,
+        train_num_microbatches=2,
+        train_grad_sync="every_microbatch",
+    ),
     # combinations (4 ranks)
     "dp2-tp2-zero3": dict(parallel_dp=2, parallel_tp=2, parallel_zero_stage=3, train_micro_batch_size=2),
     "dp2-tp2-zero1": dict(parallel_dp=2, parallel_tp=2, parallel_zero_stage=1, train_micro_batch_size=2),

@@ -46,6 +46,8 @@ class Parallelized:
     # stage, head on the last) and the group of the two stages that hold it.
     tied_weight: nn.Parameter | None = None
     tied_group: object | None = None
+    # train.grad_sync: reduce gradients after every micro-batch, or only after the last
+    grad_sync: str = "last"
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -127,6 +129,7 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
         positions=positions,
         tied_weight=tied_weight,
         tied_group=tied_group,
+        grad_sync=t.grad_sync,
     )
 
 
@@ -170,7 +173,8 @@ def sync_tied_weight(par: Parallelized) -> None:
 
 
 def _sync_context(module: nn.Module, *, last: bool):
-    """Skip the gradient reduction of all but the last micro-batch (gradient accumulation)."""
+    """Skip the gradient reduction of all but the last micro-batch (gradient accumulation); ``last``
+    True for every micro-batch under ``train.grad_sync=every_microbatch``."""
     if hasattr(module, "set_requires_gradient_sync"):  # FSDP2
         module.set_requires_gradient_sync(last)
     elif hasattr(module, "no_sync") and not last:  # DDP
@@ -212,7 +216,7 @@ def train_step(
         for i, (x, y) in enumerate(
             zip(tokens.chunk(num_microbatches), targets.chunk(num_microbatches), strict=True)
         ):
-            sync = _sync_context(model, last=i == num_microbatches - 1)
+            sync = _sync_context(model, last=i == num_microbatches - 1 or par.grad_sync == "every_microbatch")
             # loss_parallel must cover backward too: it computes the vocabulary-sharded gradient.
             lp = loss_parallel() if par.loss_parallel else contextlib.nullcontext()
             with sync, lp:
