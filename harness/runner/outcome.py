@@ -63,10 +63,21 @@ def _symptom(entry: tuple[int, int, dict]) -> bool:
 
 
 def _culprit(failed: list[tuple[int, int, dict]]) -> tuple[int, int, dict]:
-    """The rank whose failure is the cause: one that was killed (not by NCCL's watchdog), else one
-    whose error is not merely a symptom of a peer, else the first."""
+    """The rank whose failure is the cause: one killed from outside (SIGKILL: the OOM killer, a
+    kill), else one that reported an error of its own that is not merely a symptom of a peer, else
+    one that aborted itself (SIGABRT: a C++ terminate, which gloo's and NCCL's threads reach when a
+    peer is lost — seen: rank 3 raised, and rank 1, waiting for it in gloo, aborted and was blamed),
+    else the first."""
+
+    def killed(entry, *, abort: bool) -> bool:
+        code = entry[1]
+        return code is not None and code < 0 and (code == -signal.SIGABRT) == abort
+
     for entry in failed:
-        if entry[1] is not None and entry[1] < 0 and not _symptom(entry):
+        if killed(entry, abort=False):
+            return entry
+    for entry in failed:
+        if entry[1] is not None and entry[1] > 0 and not _symptom(entry):
             return entry
     return next((entry for entry in failed if not _symptom(entry)), failed[0])
 

@@ -332,3 +332,29 @@ def test_torchrun_ranks_take_their_node_local_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr("sys.argv", ["x", str(path), str(tmp_path), "60"])
     torchrun_entry.main()
     assert seen["rank"] == 9 and seen["local_rank"] == 1 and seen["local_world"] == 8
+
+
+def test_a_rank_that_aborted_on_a_lost_peer_is_not_blamed_over_the_rank_that_raised(tmp_path):
+    # Seen in a suite run: rank 3 raised; rank 1, waiting for it in gloo, aborted (SIGABRT, no result)
+    # and was blamed because it was "killed".
+    _write(tmp_path, 0, {"error": "RuntimeError: Connection closed by peer"})
+    _write(tmp_path, 1, None, log="terminate called after throwing an instance of 'gloo::IoException'\n")
+    _write(tmp_path, 2, {"error": "RuntimeError: Connection closed by peer"})
+    _write(tmp_path, 3, {"error": "RuntimeError: injected on rank 3"})
+    outcomes = [
+        {
+            "task": 0,
+            "host": "h",
+            "ranks": [0, 1, 2, 3],
+            "codes": [1, -signal.SIGABRT, 1, 1],
+            "killed": [],
+            "timed_out": False,
+            "host_oom_kills": 0,
+            "started": time.time(),
+            "wall_s": 3.0,
+        }
+    ]
+    s = spec("tiny", parallel_dp=4, train_precision="fp32", train_steps=2)
+    record = outcome.point_record(s, tmp_path, outcomes, 60.0, count=1)
+    assert record["status"] == "crash" and record["error_rank"] == 3
+    assert record["error"] == "RuntimeError: injected on rank 3"
