@@ -7,7 +7,7 @@ The commands (issue 33, item 11). Here, on the CPU, once per change of the point
 
 On the H200 machine (the device tool's ``run``, ``carry: [".whl"]``, ``timeout_s: 420``), one line:
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:. && python3 scripts/gpu_check.py --out $OUT
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .whl/site .whl/*.whl && export PYTHONPATH=.whl/site:. && python3 scripts/gpu_check.py --out $OUT
 
 ``--plan`` composes every point and does all the CPU-side work first: the estimate's allocated, reserved
 and device levels (engine torch; the paper and megatron totals beside them), a fake trace of each point
