@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from harness.spec import RunSpec, from_dict
+from harness.spec import RunSpec, apply_stack, config_spec
 
 
 def config_dir() -> Path:
@@ -146,16 +146,19 @@ def _unknown_name(overrides: Sequence[str], config_name: str) -> str | None:
 
 
 def run_spec(cfg: dict[str, Any]) -> RunSpec:
-    """The RunSpec of a composed config (unknown or missing fields raise InvalidSpec)."""
-    return from_dict({k: cfg.get(k) for k in ("model", "parallel", "train", "device")})
+    """The RunSpec of a composed config, its stack applied (unknown or missing fields raise
+    InvalidSpec)."""
+    return config_spec(cfg)
 
 
 def engine_name(cfg: dict[str, Any]) -> str:
-    engine = cfg.get("engine")
-    return engine["name"] if isinstance(engine, dict) else str(engine)
+    """The engine named by ``engine=``, or the stack's (``engine=auto``, the default)."""
+    return apply_stack(cfg)[1].engine
 
 
-# The CPU models: every other model (a published preset, a model.hf_config) is GPU-scale.
+# The CPU models: every other model (a published preset, a model.hf_config) is GPU-scale. Every command
+# applies the same defaults to it (estimate, plan, run, and sweep without a study), so that one set of
+# overrides is one configuration and one config_id everywhere (issue 28).
 CPU_MODELS = ("tiny", "small", "medium")
 # What estimate and plan judge a GPU-scale model on unless told otherwise: the published study's
 # H100 device and training shape (Fujii et al. 2024; sweeps/study/paper_h100_94gb.yaml).
@@ -187,9 +190,12 @@ def gpu_scale_defaults(overrides: Sequence[str]) -> tuple[list[str], str | None]
         import yaml
 
         t = yaml.safe_load((config_dir() / "train" / f"{GPU_DEFAULTS['train']}.yaml").read_text())
+        m = t["num_microbatches"]
+        shape = "one micro-batch per pipeline stage" if m is None else f"{m} micro-batches"
         what.append(
             f"train={GPU_DEFAULTS['train']} (seq {t['seq_len']}, micro-batch {t['micro_batch_size']}, "
-            f"{t['num_microbatches']} micro-batches, {t['precision']}; train.* keys still apply)"
+            f"{shape}, "
+            f"{t['precision']}; train.* keys still apply)"
         )
     return added + list(overrides), (
         f"note: {name} is GPU-scale: judged with the published study's {' and '.join(what)}; "

@@ -34,12 +34,14 @@ MEANINGS: dict[str, str] = {
     "parallel.virtual_stages": "model chunks per pipeline rank (>= 2 with interleaved_1f1b)",
     "parallel.cp_load_balance": "head-tail split of the sequence over cp ranks (causal load balance)",
     "parallel.world_size": "total ranks; with parallel.dp=null, dp = world_size/(tp·pp·cp)",
+    "parallel.fsdp_reshard_after_forward": "ZeRO-3: default (torchtitan: not under pp, head kept) | always | "
+    "never (= ZeRO-2); null: the stack's",
     # train
     "train.seq_len": "tokens per sequence s",
     "train.micro_batch_size": "sequences per micro-batch b",
     "train.num_microbatches": "micro-batches per step m (null: one per pipeline stage)",
     "train.recompute": "activation recomputation: none | selective (attention core) | op (torchtitan's "
-    "op policy) | full",
+    "op policy) | full; null: the stack's",
     "train.recompute_every": "with train.recompute=full: n, the blocks per checkpoint rule (1: every block)",
     "train.recompute_method": (
         "with full: every (every n-th block) | uniform (groups of n blocks, one checkpoint each) | "
@@ -47,7 +49,8 @@ MEANINGS: dict[str, str] = {
     ),
     "train.precision": "bf16 (mixed precision) | fp32",
     "train.attention": "flash (no s×s scores stored) | math (scores materialised)",
-    "train.grad_sync": "with accumulation over dp: reduce after the last micro-batch | every_microbatch",
+    "train.grad_sync": "with accumulation over dp: reduce after the last micro-batch | every_microbatch; "
+    "null: the stack's",
     "train.steps": "steps run: 1 warm-up, then timed steps (>= 2)",
     # device
     "device.name": "the device's label (part of config_id)",
@@ -64,7 +67,10 @@ MEANINGS: dict[str, str] = {
     "device.memory_gbps": "memory bandwidth, GB/s, for the step-time model (null: unknown)",
     "device.link_latency_us": "latency of one collective step inside a node, microseconds (step-time model)",
     "device.inter_node_latency_us": "the same for a group spanning nodes (null: link_latency_us)",
-    "engine.name": "estimator: paper (published closed form) | megatron | torch (this runner)",
+    "engine.name": "estimator: auto (the stack's) | paper (published closed form) | megatron | torch "
+    "(this runner)",
+    "stack": "the trainer whose choices fill null keys: auto (torchtitan on a GPU, harness on the CPU) | "
+    "torchtitan | megatron | harness",
     # output
     "format": "table (for people) | json (for programs)",
     "threshold": "a ratio in (0, 1]: the device level at or below which a configuration fits (0.8 = 80 %)",
@@ -135,6 +141,7 @@ ESTIMATE_KEYS = (
     "train.",
     "device.",
     "engine.",
+    "stack",
     "format",
     "threshold",
     "calibration",
@@ -149,8 +156,9 @@ COMMAND_HELP: dict[str, Command] = {
         "caching allocator's segment rounding and cuBLAS workspaces) and device (+ CUDA context and "
         "NCCL buffers, outside the allocator); the verdict is the device level's. A GPU-scale model "
         "(a published preset or model.hf_config) is "
-        "judged on device=h100_94gb with train=paper (the published study's) unless device= or train= "
-        "is named.",
+        "judged on device=h100_94gb with train=paper (the published study's sequence; one micro-batch per "
+        "pipeline stage) unless device= or train= is named, in every command alike. The second line "
+        "names the stack (stack=) and the choices it filled in.",
         ESTIMATE_KEYS,
         ("model", "parallel", "train", "device", "engine"),
         (
@@ -179,8 +187,9 @@ COMMAND_HELP: dict[str, Command] = {
         "Fresh worker processes run a warm-up step, then measured steps, and print one record: status "
         "ok, oom, timeout, crash or invalid. Exit status 0 for every recorded outcome, 1 when the status "
         "is listed in run.fail_on, 2 for bad input, 143 when SIGTERM ends it mid-point (no record). The "
-        "device stays cpu unless device= is named.",
-        ("model.", "parallel.", "train.", "device.", "format", "threshold", "results_dir", "run."),
+        "device stays cpu unless device= is named or the model is GPU-scale (as for estimate). "
+        "stack=megatron is refused: the megatron engine judges it.",
+        ("model.", "parallel.", "train.", "device.", "stack", "format", "threshold", "results_dir", "run."),
         ("model", "parallel", "train", "device"),
         ("harness run parallel.dp=2 parallel.tp=2 parallel.zero_stage=3 run.fail_on=oom,crash,timeout",),
     ),
@@ -189,7 +198,7 @@ COMMAND_HELP: dict[str, Command] = {
         "Points come from a study (+study=NAME) and key=v1,v2 overrides; impossible and finished points "
         "are not launched, so a rerun resumes. Hydra's launcher keys (hydra.launcher.*) and several grids "
         "(hydra.sweeper.grids) apply. A study written by plan.emit is run with the command plan prints.",
-        ("model.", "parallel.", "train.", "device.", "results_dir", "run.", "sweep."),
+        ("model.", "parallel.", "train.", "device.", "stack", "results_dir", "run.", "sweep."),
         ("model", "parallel", "train", "device", "study"),
         (
             "harness sweep +study=cpu_smoke",

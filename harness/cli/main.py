@@ -60,7 +60,7 @@ def _output_settings(cfg: dict) -> tuple[str, float]:
 
 
 def _estimate(overrides: Sequence[str]) -> int:
-    from harness.cli.render.common import JSON_UNITS
+    from harness.cli.render.common import JSON_UNITS, with_stack
     from harness.cli.render.estimate import estimate_table
     from harness.estimate import estimate
 
@@ -69,8 +69,10 @@ def _estimate(overrides: Sequence[str]) -> int:
     est = estimate(run_spec(cfg), engine=engine_name(cfg))
     profile = _profile(cfg)
     calibrated = profile.total_bytes(est) if profile else None
+    stack = _stack(cfg)
     if fmt == "json":
         record = est.as_record(threshold=threshold)
+        record["stack"] = stack.as_record()
         if profile:
             from harness.estimate.levels import verdict_bytes
 
@@ -86,21 +88,28 @@ def _estimate(overrides: Sequence[str]) -> int:
         record["units"] = JSON_UNITS
         print(json.dumps(record, indent=2))
     else:
-        print(
-            estimate_table(
-                est,
-                threshold=threshold,
-                calibrated_bytes=calibrated,
-                profile=profile,
-                explain=bool(cfg.get("explain")),
-            )
+        table = estimate_table(
+            est,
+            threshold=threshold,
+            calibrated_bytes=calibrated,
+            profile=profile,
+            explain=bool(cfg.get("explain")),
         )
+        print(with_stack(table, stack))
     return 0
 
 
+def _stack(cfg: dict):
+    """The stack a composed config assumed (harness.spec.stacks), for the output's stack line / field."""
+    from harness.spec import apply_stack
+
+    return apply_stack(cfg)[1]
+
+
 def _compose_scaled(overrides: Sequence[str]) -> dict:
-    """The config of ``estimate``/``plan``: the published study's device and training shape for a
-    GPU-scale model unless named, said in one line on stderr once the config composes."""
+    """The config of ``estimate``, ``plan`` and ``run`` (and ``sweep`` without a study): the published
+    study's device and training shape for a GPU-scale model unless named, said in one line on stderr
+    once the config composes, so that the same overrides are the same configuration in every command."""
     overrides, note = gpu_scale_defaults(overrides)
     cfg = compose(overrides)
     if note:
@@ -137,6 +146,7 @@ def _step_time(cfg: dict):
 
 
 def _plan(overrides: Sequence[str]) -> int:
+    from harness.cli.render.common import with_stack
     from harness.cli.render.plan import plan_json, plan_table
     from harness.estimate.plan import PlanOptions, plan
 
@@ -168,9 +178,13 @@ def _plan(overrides: Sequence[str]) -> int:
         return _plan_solve(cfg, opts, fmt)
     result = plan(run_spec(cfg), opts)
     if fmt == "json":
-        print(json.dumps(plan_json(result, opts), indent=2))
+        print(json.dumps({"stack": _stack(cfg).as_record(), **plan_json(result, opts)}, indent=2))
     else:
-        print(plan_table(result, opts, top=int(p["top"]), explain=bool(cfg.get("explain"))))
+        print(
+            with_stack(
+                plan_table(result, opts, top=int(p["top"]), explain=bool(cfg.get("explain"))), _stack(cfg)
+            )
+        )
     _emit(cfg, [r.estimate.spec for r in result.fitting[: int(p["top"])]], fmt, opts)
     return 0
 
@@ -191,9 +205,11 @@ def _plan_solve(cfg: dict, opts, fmt: str) -> int:
         raise ValueError(f"plan.solve={question!r} must be null or one of {', '.join(sv.QUESTIONS)}")
     top = int(p["top"])
     if fmt == "json":
-        print(json.dumps(solve_json(solution, opts), indent=2))
+        print(json.dumps({"stack": _stack(cfg).as_record(), **solve_json(solution, opts)}, indent=2))
     else:
-        print(solve_table(solution, opts, top=top, explain=bool(cfg.get("explain"))))
+        from harness.cli.render.common import with_stack
+
+        print(with_stack(solve_table(solution, opts, top=top, explain=bool(cfg.get("explain"))), _stack(cfg)))
     if solution.plan is not None:
         specs = [r.estimate.spec for r in solution.plan.fitting[:top]]
     else:
@@ -228,7 +244,10 @@ def _run(overrides: Sequence[str]) -> int:
     from harness.spec import spec_id
     from harness.sweep.launch import run_artifacts, run_timeout, slurm_task
 
-    cfg = compose(overrides)
+    cfg = _compose_scaled(overrides)  # the same configuration as estimate and plan of these overrides
+    from harness.spec.stacks import require_runnable
+
+    require_runnable(cfg, "run")
     fmt, threshold = _output_settings(cfg)
     fail_on = fail_statuses(cfg["run"].get("fail_on"))
     run_timeout(cfg)  # run.timeout_s checked here (inf, <= 0: one line, exit 2); run_configured reads it
@@ -241,7 +260,13 @@ def _run(overrides: Sequence[str]) -> int:
     record = run_configured(spec, cfg["run"], task=task, artifacts=run_artifacts(cfg))  # real or fake
     if record is None:
         return 0
-    print(record_json(record) if fmt == "json" else record_table(record, threshold=threshold))
+    stack = _stack(cfg)
+    if fmt == "json":
+        print(record_json({**record, "stack": stack.as_record()}))
+    else:
+        from harness.cli.render.common import with_stack
+
+        print(with_stack(record_table(record, threshold=threshold), stack))
     # Every recorded outcome, including oom/timeout/crash/invalid, is a success of the command, unless
     # run.fail_on lists it (a CI script that needs a failing exit code).
     return 1 if record["status"] in fail_on else 0

@@ -38,7 +38,9 @@ def check_overrides(overrides: Sequence[str]) -> None:
             first.append(f"{o.get_key_element()}={values[0]}" if values else o.input_line)
         else:
             first.append(o.input_line)
-    compose(first)
+    from harness.spec.stacks import require_runnable
+
+    require_runnable(compose(first), "sweep")
 
 
 def sweep(overrides: Sequence[str]) -> int:
@@ -56,6 +58,12 @@ def sweep(overrides: Sequence[str]) -> int:
         return run_job(plain)
 
     overrides = [retry_as_list(o) for o in overrides]
+    if not any(o.lstrip("+~").startswith("study=") for o in overrides):  # a study names its own device
+        from harness.cli.config import gpu_scale_defaults
+
+        overrides, note = gpu_scale_defaults(overrides)
+        if note:
+            print(note, file=sys.stderr)
     check_overrides(overrides)
     quiet = [] if any(o.lstrip("+~").startswith("hydra/hydra_logging=") for o in overrides) else [QUIET]
     argv = sys.argv

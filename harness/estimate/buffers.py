@@ -35,6 +35,17 @@ def fsdp_allgather(
     return e * (2 * layer_params(m, tp=tp) + root)
 
 
+def kept_head(m: ModelSpec, p: ParallelSpec) -> int:
+    """torch, ZeRO-3 with ``parallel.fsdp_reshard_after_forward=default`` (torchtitan's policy, no
+    pipeline, canonical "default"): the final norm and the head are an FSDP2 unit of their own that is
+    not resharded after forward (``torchtitan/distributed/fsdp.py``; tied, the embedding is in it), so
+    their unsharded parameters stay from the head's forward to its backward: these parameters (one
+    vocabulary matrix over its tp shards and the norm), in the compute dtype. 0 otherwise."""
+    if p.zero_stage != 3 or p.fsdp_reshard_after_forward != "default":
+        return 0
+    return m.vocab_size * m.hidden_size // p.tp + m.hidden_size
+
+
 def fsdp_root_regather(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int) -> int:
     """torch, ZeRO-3: what the last stage holds beyond its activations when the head's backward
     re-gathers the root (FSDP2 resharded it after forward): the all-gather output and the unsharded
@@ -45,6 +56,8 @@ def fsdp_root_regather(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: in
     e = elem_bytes(t.precision)
     root = non_layer_params(m, stage=stage, pp=p.pp, tp=p.tp)
     grad_out = e * t.seq_len * t.micro_batch_size * m.vocab_size // act.vocab_shards(p, engine="torch")
+    if kept_head(m, p):  # the head was never resharded (counted at the loss); the embedding comes last
+        return e * kept_head(m, p) + grad_out
     return 2 * e * root + grad_out
 
 
@@ -64,13 +77,21 @@ def fsdp_backward_end(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int
     being the rotary tables (1.5 MiB) and 12.4 MiB the tracker does not see, neither modelled. Counted
     as 2·e·root before issue 30 (an unsharded root in the compute dtype), which is the same in FP32 but
     half the input and copy in BF16: ``small``, BF16, ZeRO-3 on the CPU measured 112.8 MiB where the
-    engine said 96.3 (traced: input 16 MiB, gloo's copy 16 MiB, output 8 MiB at the peak)."""
+    engine said 96.3 (traced: input 16 MiB, gloo's copy 16 MiB, output 8 MiB at the peak). With the
+    head a unit of its own (:func:`kept_head`) the root reduced last is the embedding alone."""
     e = elem_bytes(t.precision)
     n = stage_params(m, stage=stage, pp=p.pp, tp=p.tp)
     shards = p.dp * p.cp
     root = non_layer_params(m, stage=stage, pp=p.pp, tp=p.tp)
+    head_grad = 0
+    if kept_head(m, p) and not m.tie_embeddings:
+        # The head unit's reduce-scatter is not the root's; traced (small, FP32, dp 2): its unsharded FP32
+        # gradient stays to the end of backward (FSDP2 reduces that unit in its final callback).
+        root -= kept_head(m, p)
+        head_grad = 4 * kept_head(m, p)
     padded = -(-root // shards) * shards
-    return -(-4 * n // shards) + 4 * padded * (2 if gloo else 1) + e * m.vocab_size * m.hidden_size // p.tp
+    dense = e * m.vocab_size * m.hidden_size // p.tp
+    return -(-4 * n // shards) + 4 * padded * (2 if gloo else 1) + head_grad + dense
 
 
 def grad_reduce(m: ModelSpec, *, tp: int, zero_stage: int, shards: int, engine: str) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from harness.estimate import activations as act
 from harness.estimate import buffers as buf
 from harness.estimate import states as st
+from harness.estimate.activations import elem_bytes
 from harness.spec import ParallelSpec, RunSpec, TrainSpec
 
 
@@ -87,7 +88,11 @@ def fsdp_last_stage_peaks(
     the end of backward, the root's own reduce-scatter, is the larger one when full recomputation leaves
     few activations (buffers.fsdp_backward_end)."""
     m, p, t = spec.model, spec.parallel, spec.train
-    extra = max(0, buf.fsdp_root_regather(m, p, t, stage=stage) - terms["logits"] - terms["loss"])
+    # torchtitan's policy keeps the head's unsharded parameters from its forward through the loss.
+    kept = elem_bytes(t.precision) * buf.kept_head(m, p)
+    terms["fsdp_allgather"] += kept
+    buffers += kept
+    extra = max(0, buf.fsdp_root_regather(m, p, t, stage=stage) - kept - terms["logits"] - terms["loss"])
     terms["fsdp_allgather"] += extra
     buffers += extra
     end = buf.fsdp_backward_end(m, p, t, stage=stage, gloo=spec.device.name == "cpu") - terms["grads"]

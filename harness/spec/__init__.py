@@ -1,6 +1,6 @@
 """The one description of a training configuration: frozen specs (``types``), their single validation
-(``validate``), their canonical form and ``config_id`` (``identity``), and Hugging Face config.json reading
-(``hf_config``).
+(``validate``), their canonical form and ``config_id`` (``identity``), the named training stacks that
+fill a config's choices (``stacks``), and Hugging Face config.json reading (``hf_config``).
 
 May import: the standard library only. Everything else in harness imports from here.
 """
@@ -15,6 +15,7 @@ from harness.spec.identity import (
     raw_id,
     spec_id,
 )
+from harness.spec.stacks import STACKS, ResolvedStack, apply_stack, config_spec
 from harness.spec.types import (
     ADDED_FIELD_DEFAULTS,
     ATTENTION,
@@ -40,15 +41,19 @@ __all__ = [
     "PRECISIONS",
     "RECOMPUTE",
     "RECOMPUTE_METHODS",
+    "STACKS",
     "DeviceSpec",
     "InvalidSpec",
     "ModelSpec",
     "ParallelSpec",
+    "ResolvedStack",
     "RunSpec",
     "TrainSpec",
+    "apply_stack",
     "canonical",
     "canonical_form",
     "config_id",
+    "config_spec",
     "flat",
     "from_dict",
     "from_flat",

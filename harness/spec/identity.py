@@ -31,7 +31,11 @@ def canonical(spec: RunSpec) -> RunSpec:
     ``num_microbatches`` None to pp; ``recompute_every`` and ``recompute_method`` when recompute is not
     full; and Megatron's methods where they checkpoint every block alone, as ``every`` 1 does: ``uniform``
     with N = 1, ``block`` with N at least the layers of a model chunk (L/(pp·virtual_stages)); and
-    ``grad_sync`` to ``last`` where one micro-batch or one data-parallel rank leaves nothing to choose.
+    ``grad_sync`` to ``last`` where one micro-batch or one data-parallel rank leaves nothing to choose
+    and under pipelining (torch's schedules reduce after the last micro-batch);
+    ``fsdp_reshard_after_forward`` to ``always`` but at ZeRO-3 with ``default`` over several ranks without
+    a pipeline (the head kept unsharded), ZeRO-3 whose policy resolves to ``never`` (``default`` with
+    pp > 1) becoming ZeRO-2, which is that run.
     """
     reasons = problems(spec)
     if reasons:
@@ -43,6 +47,11 @@ def canonical_form(spec: RunSpec) -> RunSpec:
     """The canonical form of a spec that has already passed :func:`problems` (no re-validation)."""
     p = spec.parallel
     dp = p.dp if p.dp is not None else p.world_size // (p.tp * p.pp * p.cp)
+    reshard = p.fsdp_reshard_after_forward
+    never = p.zero_stage == 3 and (reshard == "never" or (reshard == "default" and p.pp > 1))
+    # "default" without a pipeline differs from "always" in the final norm and head only (a unit of its
+    # own, kept unsharded after forward); it has no effect where FSDP2 shards over one rank or ZeRO < 3.
+    keep_head = p.zero_stage == 3 and reshard == "default" and p.pp == 1 and dp * p.cp > 1
     p = dataclasses.replace(
         p,
         dp=dp,
@@ -51,6 +60,8 @@ def canonical_form(spec: RunSpec) -> RunSpec:
         virtual_stages=p.virtual_stages if p.pp > 1 else 1,
         sequence_parallel=p.sequence_parallel if p.tp > 1 else False,
         cp_load_balance=p.cp_load_balance if p.cp > 1 else False,
+        zero_stage=2 if never else p.zero_stage,
+        fsdp_reshard_after_forward="default" if keep_head else "always",
     )
     t = spec.train
     if t.num_microbatches is None:
@@ -61,7 +72,10 @@ def canonical_form(spec: RunSpec) -> RunSpec:
         or (t.recompute_method == "block" and t.recompute_every >= chunk_layers)
     ):
         t = dataclasses.replace(t, recompute_every=1, recompute_method="every")
-    if t.num_microbatches == 1 or p.dp * p.cp == 1:  # nothing accumulated over data parallel ranks
+    # Nothing accumulated over data-parallel ranks, or a pipeline: torch's schedules reduce after the
+    # last micro-batch whatever the trainer asks (pipelining/stage.py: set_requires_gradient_sync(False)
+    # / no_sync until the last backward), which is what torchtitan's every_microbatch does under pp.
+    if t.num_microbatches == 1 or p.dp * p.cp == 1 or p.pp > 1:
         t = dataclasses.replace(t, grad_sync="last")
     return dataclasses.replace(spec, parallel=p, train=t)
 

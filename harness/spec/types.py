@@ -23,10 +23,16 @@ ATTENTION = ("flash", "math")
 # Megatron's with overlap off), or after "every_microbatch" (torchtitan's default: FSDP2 reduce-scatters
 # each micro-batch's gradients and accumulates the shard; DDP all-reduces each into its buckets).
 GRAD_SYNC = ("last", "every_microbatch")
+# ZeRO-3's FSDP2 ``reshard_after_forward`` (torchtitan's ``parallelism.fsdp_reshard_after_forward``, same
+# values): "always" frees each block's gathered parameters after its forward (this runner's ZeRO-3);
+# "never" keeps them to backward, which is ZeRO-2 (the canonical form says so); "default" is torchtitan's:
+# always without pipelining, never with it (a stage would all-gather again for every micro-batch).
+FSDP_RESHARD = ("default", "always", "never")
 # Fields added after the first study, left out of the hashed payload (config_id, raw_id) while they hold
 # this default, so that every spec that existed before keeps its id.
 ADDED_FIELD_DEFAULTS = {
     "train": {"recompute_every": 1, "recompute_method": "every", "grad_sync": "last"},
+    "parallel": {"fsdp_reshard_after_forward": "always"},
     # The device's memory-beside-tensors constants and step-time figures: config_id hashes only the
     # device's name and capacity; raw_id (invalid points) leaves them out while they hold the default.
     "device": {
@@ -85,6 +91,8 @@ class ParallelSpec:
     virtual_stages: int = 1
     cp_load_balance: bool = True
     world_size: int | None = None
+    # FSDP_RESHARD, at ZeRO-3 only; canonical: "always", or ZeRO-2 where it resolves to never.
+    fsdp_reshard_after_forward: str = "always"
 
     @property
     def world(self) -> int:

@@ -7,6 +7,7 @@ from typing import Any
 
 from harness.spec.types import (
     ATTENTION,
+    FSDP_RESHARD,
     GRAD_SYNC,
     PP_SCHEDULES,
     PRECISIONS,
@@ -164,12 +165,8 @@ def layout_problems(spec: RunSpec) -> list[str]:
         ("train.precision", t.precision, PRECISIONS),
         ("train.attention", t.attention, ATTENTION),
         ("train.grad_sync", t.grad_sync, GRAD_SYNC),
+        ("parallel.fsdp_reshard_after_forward", p.fsdp_reshard_after_forward, FSDP_RESHARD),
     ):
         if value not in allowed:
             out.append(f"{name}={value!r} must be one of {', '.join(allowed)}")
-    if t.grad_sync == "every_microbatch" and p.pp > 1:
-        out.append(
-            "train.grad_sync=every_microbatch needs pp = 1: torch's pipeline schedules reduce the "
-            f"gradients after the last micro-batch (pp = {p.pp})"
-        )
     return out

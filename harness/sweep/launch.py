@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.runner.record import invalid_record
-from harness.spec import InvalidSpec, canonical, from_dict, spec_id
+from harness.spec import InvalidSpec, canonical, config_spec, spec_id
 from harness.sweep import claims
 from harness.sweep.progress import progress_line
 from harness.sweep.store import existing_ids, load_results, record_path, write_record
@@ -29,7 +29,7 @@ RETRYABLE = ("ok", "oom", "timeout", "crash", "invalid", "skipped_predicted_oom"
 
 
 def spec_of(cfg: dict[str, Any]):
-    return from_dict({k: cfg.get(k) for k in ("model", "parallel", "train", "device")})
+    return config_spec(cfg)
 
 
 def point_id(cfg: dict[str, Any]) -> str:

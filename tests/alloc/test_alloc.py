@@ -171,8 +171,12 @@ def test_malformed_traces_name_the_event(events, message):
 
 
 def test_other_actions_are_ignored():
-    events = [{"action": "segment_alloc", "addr": 9, "size": 99}, alloc(1, 10), {"action": "free_requested",
-              "addr": 1, "size": 10}, free(1)]
+    events = [
+        {"action": "segment_alloc", "addr": 9, "size": 99},
+        alloc(1, 10),
+        {"action": "free_requested", "addr": 1, "size": 10},
+        free(1),
+    ]
     assert replay(events).peak_allocated_bytes == 512
 
 

@@ -39,8 +39,13 @@ def test_every_microbatch_holds_no_accumulated_copy_as_the_engine_says(zero, rel
 
 def test_grad_sync_is_validated_and_canonical():
     every = dict(train_grad_sync="every_microbatch", train_num_microbatches=2)
-    with pytest.raises(InvalidSpec, match="grad_sync=every_microbatch needs pp = 1"):
-        canonical(spec("tiny", parallel_pp=2, **every))
+    # Under pipelining torch's schedules reduce after the last micro-batch whatever the trainer asks:
+    # torchtitan's every_microbatch with pp is this runner's last, one config_id.
+    piped = dict(parallel_dp=2, parallel_pp=2, parallel_zero_stage=3)
+    assert canonical(spec("tiny", **piped, **every)).train.grad_sync == "last"
+    assert config_id(spec("tiny", **piped, **every)) == config_id(
+        spec("tiny", **piped, train_num_microbatches=2)
+    )
     with pytest.raises(
         InvalidSpec, match=r"train.grad_sync=.sometimes. must be one of last, every_microbatch"
     ):
@@ -53,3 +58,34 @@ def test_grad_sync_is_validated_and_canonical():
     assert config_id(spec("tiny", parallel_dp=2, train_num_microbatches=2)) != config_id(
         spec("tiny", parallel_dp=2, **every)
     )
+
+
+def test_fsdp_reshard_after_forward_is_validated_and_canonical():
+    # torchtitan's policy: "default" reshards the blocks without a pipeline (ZeRO-3, the head kept) and
+    # keeps the gathered parameters with one (ZeRO-2, the same run); "never" is ZeRO-2 everywhere;
+    # ZeRO 0-2 and a single rank ignore it.
+    def resolved(**kw):
+        p = canonical(spec("tiny", parallel_dp=2, parallel_zero_stage=3, **kw)).parallel
+        return p.zero_stage, p.fsdp_reshard_after_forward
+
+    assert resolved(parallel_fsdp_reshard_after_forward="default") == (3, "default")  # the head kept
+    assert resolved(parallel_fsdp_reshard_after_forward="default", parallel_pp=2) == (2, "always")
+    assert resolved(parallel_fsdp_reshard_after_forward="always", parallel_pp=2) == (3, "always")
+    assert resolved(parallel_fsdp_reshard_after_forward="never") == (2, "always")
+    assert (
+        canonical(
+            spec("tiny", parallel_zero_stage=3, parallel_fsdp_reshard_after_forward="default")
+        ).parallel.fsdp_reshard_after_forward
+        == "always"
+    )
+    zero2 = spec("tiny", parallel_dp=2, parallel_zero_stage=2)
+    assert config_id(
+        spec("tiny", parallel_dp=2, parallel_zero_stage=3, parallel_fsdp_reshard_after_forward="never")
+    ) == config_id(zero2)
+    assert config_id(zero2) == config_id(
+        spec("tiny", parallel_dp=2, parallel_zero_stage=2, parallel_fsdp_reshard_after_forward="never")
+    )
+    with pytest.raises(
+        InvalidSpec, match=r"fsdp_reshard_after_forward=.sometimes. must be one of default, always, never"
+    ):
+        canonical(spec("tiny", parallel_fsdp_reshard_after_forward="sometimes"))

@@ -138,6 +138,17 @@ LAYOUTS = {
         train_num_microbatches=2,
         train_grad_sync="every_microbatch",
     ),
+    # torchtitan's defaults (stack=torchtitan, issue 28): the final norm and head a unit of their own
+    # kept unsharded after forward, reduce-scatter after every micro-batch, per-op recomputation
+    "dp2-zero3-torchtitan": dict(
+        parallel_dp=2,
+        parallel_zero_stage=3,
+        parallel_fsdp_reshard_after_forward="default",
+        train_micro_batch_size=1,
+        train_num_microbatches=2,
+        train_grad_sync="every_microbatch",
+        train_recompute="op",
+    ),
     # combinations (4 ranks)
     "dp2-tp2-zero3": dict(parallel_dp=2, parallel_tp=2, parallel_zero_stage=3, train_micro_batch_size=2),
     "dp2-tp2-zero1": dict(parallel_dp=2, parallel_tp=2, parallel_zero_stage=1, train_micro_batch_size=2),
@@ -190,7 +201,15 @@ TIED_LAYOUTS = {
     # the untied layouts of the same name, run tied
     **{
         k: LAYOUTS[k]
-        for k in ("tp2-sp", "tp2-nosp", "dp2-tp2-zero1", "dp2-tp2-zero3", "pp2-1f1b", "pp2-interleaved")
+        for k in (
+            "tp2-sp",
+            "tp2-nosp",
+            "dp2-tp2-zero1",
+            "dp2-tp2-zero3",
+            "pp2-1f1b",
+            "pp2-interleaved",
+            "dp2-zero3-torchtitan",  # the embedding joins the head's unit, as torchtitan wraps it
+        )
     },
     "cp2": dict(parallel_cp=2, train_micro_batch_size=4),
     "pp2-tp2": dict(parallel_pp=2, parallel_tp=2, train_micro_batch_size=2, train_num_microbatches=2),

@@ -105,3 +105,9 @@ def verdict(device_bytes: float, capacity_bytes: float, threshold: float) -> str
     if device_bytes <= capacity_bytes:
         return f"over the safety margin ({human(capacity_bytes - device_bytes)} of headroom left)"
     return f"does NOT fit ({human(device_bytes - capacity_bytes)} over the card)"
+
+
+def with_stack(text: str, stack: Any) -> str:
+    """A table with the stack it assumed (``harness.spec.ResolvedStack``) as its second line."""
+    title, _, rest = text.partition("\n")
+    return f"{title}\n{stack.line()}\n{rest}" if rest else f"{title}\n{stack.line()}"

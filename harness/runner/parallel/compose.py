@@ -86,6 +86,7 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
                 mod,
                 dp_cp,
                 reshard_after_forward=p.zero_stage == 3,
+                keep_head=p.zero_stage == 3 and p.fsdp_reshard_after_forward == "default",
                 param_dtype=torch.bfloat16 if bf16 else torch.float32,
             )
         if meta:  # FSDP2 shards the meta parameters: each rank allocates only its shards

@@ -7,7 +7,8 @@
   ``torch.distributed.pipelining`` supports);
 - 1: the same + ``ZeroRedundancyOptimizer`` (optimizer state sharded);
 - 2: FSDP2 ``fully_shard(reshard_after_forward=False)`` (parameters stay unsharded until backward);
-- 3: FSDP2 ``fully_shard(reshard_after_forward=True)``.
+- 3: FSDP2 ``fully_shard(reshard_after_forward=True)``; with ``parallel.fsdp_reshard_after_forward=default``
+  (torchtitan's) the final norm and head are a unit of their own kept unsharded after forward.
 Context-parallel ranks hold the same parameters and different tokens, so they reduce gradients with the
 data-parallel ranks (Megatron does the same).
 """
@@ -23,12 +24,27 @@ from torch.nn.parallel import DistributedDataParallel
 
 
 def apply_fsdp(
-    model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool, param_dtype: torch.dtype
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    reshard_after_forward: bool,
+    param_dtype: torch.dtype,
+    keep_head: bool = False,
 ) -> None:
-    """FSDP2 per transformer block, then the root (embedding, norm, head), in place."""
+    """FSDP2 per transformer block, then the root (embedding, norm, head), in place.
+
+    ``keep_head`` (``parallel.fsdp_reshard_after_forward=default`` at ZeRO-3, torchtitan's wrapping:
+    ``torchtitan/distributed/fsdp.py``): the final norm and the head are one unit of their own that is
+    not resharded after forward, FSDP2 prefetching it straight back for backward (with tied embeddings
+    the embedding joins that unit, as torchtitan does); the root then holds the embedding alone."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in model.layers.values():
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    if keep_head and model.output is not None:
+        head = [m for m in (model.norm, model.output) if m is not None]
+        if model.tok_embeddings is not None and model.output.weight is model.tok_embeddings.weight:
+            head.insert(0, model.tok_embeddings)
+        fully_shard(head, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
     # The root with an explicit reshard_after_forward=True is resharded after forward and gathered again
     # for backward (torch 2.13 keeps a root unsharded only when the setting is left to FSDP2:
     # _fsdp_state.py FSDPState._lazy_init, ``_auto_reshard_after_forward``): two root all-gathers a step.
