@@ -277,6 +277,30 @@ def fastest_section(st: StepTimeEvaluation | None, out: Path) -> list[str]:
     return lines
 
 
+def stack_line(frame: pd.DataFrame) -> str:
+    """Which runnable stacks' choices the launched runs were made with (harness.spec.stacks; issue 28),
+    in one line: ``Stack: of 629 launched runs, 629 were made with stack=harness's choices, 481 with
+    torchtitan's ...``."""
+    from harness.spec import from_flat
+    from harness.spec.stacks import STACKS, stacks_of
+
+    launched = frame[frame["status"] != "invalid"]
+    names = [name for name, stack in STACKS.items() if stack.runnable]
+    counts = dict.fromkeys(names, 0)
+    for row in launched.to_dict("records"):
+        for name in set(stacks_of(from_flat(row))) & set(counts):
+            counts[name] += 1
+    ordered = sorted(names, key=lambda n: -counts[n])
+    made = f"{counts[ordered[0]]} were made with stack={ordered[0]}'s choices" + "".join(
+        f", {counts[n]} with {n}'s" for n in ordered[1:]
+    )
+    return (
+        f"Stack: of {len(launched)} launched runs, {made} (a run with nothing to choose, such as one "
+        "micro-batch on one data-parallel rank, counts for each; recomputation is the study's own axis, "
+        "not counted; docs/stacks.md)."
+    )
+
+
 def write_report(
     frame: pd.DataFrame,
     *,
@@ -294,6 +318,8 @@ def write_report(
         "",
         f"Written by `harness report results_dir={results_dir}` from the runs in that directory; every "
         "number below is computed from them.",
+        "",
+        stack_line(frame),
         "",
         *status_section(frame),
         "",

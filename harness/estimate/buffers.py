@@ -46,43 +46,67 @@ def kept_head(m: ModelSpec, p: ParallelSpec) -> int:
     return m.vocab_size * m.hidden_size // p.tp + m.hidden_size
 
 
-def fsdp_root_regather(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int) -> int:
+def fsdp_root_regather(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, gloo: bool = True) -> int:
     """torch, ZeRO-3: what the last stage holds beyond its activations when the head's backward
     re-gathers the root (FSDP2 resharded it after forward): the all-gather output and the unsharded
     parameters copied out of it (2 × the root in the compute dtype), beside the gradient of the head's
     output (s·b·v over its vocabulary shards). :mod:`harness.estimate.core` counts what this adds over
     the loss's own peak (logits + loss), which it exceeds when the local s·b is small against h —
-    measured: +16.8 MiB on ``small`` with cp 2 (local s·b 256, h 256), the estimate +16.0."""
+    measured: +16.8 MiB on ``small`` with cp 2 (local s·b 256, h 256), the estimate +16.0.
+
+    With the head a unit of its own (:func:`kept_head`, torchtitan's policy) the moment is the head
+    unit's reduce-scatter, right after the head's backward. Traced (``run.mode=fake``, CUDA's kernels,
+    Llama-3-8B cut to 2 layers, dp 8, sequence 2048, BF16; 7,480 MiB at the peak): the embedding
+    regathered at backward's start (e·v·h/t), the head's unsharded gradient (e·v·h/t), the unit's
+    reduce-scatter input (its FP32 gradients, padded) and output (the shard), and the next block's
+    all-gather prefetched (e·layer); the head's own parameters are already resharded and the logits'
+    gradient freed. Over gloo (``device=cpu``) the head's gradient measured otherwise (docs/stacks.md,
+    "Known gaps"): the head kept and the logits' gradient, as before."""
     e = elem_bytes(t.precision)
     root = non_layer_params(m, stage=stage, pp=p.pp, tp=p.tp)
     grad_out = e * t.seq_len * t.micro_batch_size * m.vocab_size // act.vocab_shards(p, engine="torch")
-    if kept_head(m, p):  # the head was never resharded (counted at the loss); the embedding comes last
-        return e * kept_head(m, p) + grad_out
+    head = kept_head(m, p)
+    if head and gloo:
+        return e * head + grad_out
+    if head:
+        shards = p.dp * p.cp
+        padded = -(-head // shards) * shards
+        embedding = 0 if m.tie_embeddings else m.vocab_size * m.hidden_size // p.tp
+        return e * (embedding + head + layer_params(m, tp=p.tp)) + 4 * padded + 4 * padded // shards
     return 2 * e * root + grad_out
 
 
 def fsdp_backward_end(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, gloo: bool) -> int:
     """torch, ZeRO-3: what the last stage's rank holds beyond parameters and optimizer state at the end
-    of backward, when FSDP2 reduces the root's gradients: every layer's sharded FP32 gradients
-    (4n/(d·c), the root's reduce-scatter output among them), the root's reduce-scatter input — its
-    unsharded gradients in the FP32 reduce dtype whatever the training precision, padded to d·c equal
-    shards (``foreach_reduce`` writes the gradients straight into it) — and one vocabulary matrix's
-    dense gradient, e·v·h/t. Over gloo (``device=cpu``) the reduce-scatter also holds a whole copy of its
-    input while it runs (``ProcessGroupGloo::_reduce_scatter_base`` clones it, then all-reduces the
-    copy); NCCL reduces from the input itself.
+    of backward, when FSDP2 reduces the root's gradients: every layer's sharded FP32 gradients, the
+    root's reduce-scatter input — its unsharded gradients in the FP32 reduce dtype whatever the training
+    precision, padded to d·c equal shards (``foreach_reduce`` writes the gradients straight into it) —
+    and the root's unsharded gradients in the compute dtype, which it is copied from.
 
-    Found on ``medium`` (v 16,384, h 384, FP32) with full recomputation at dp 2 and dp 4, where this is
-    the peak (issue 15: -14 % and -9.5 %): the measured peak less the states is 4n/d + 133.8 MiB at
-    both; the input and gloo's copy, 2 × 4·root = 96 MiB, and e·v·h = 24 MiB account for 120, the rest
-    being the rotary tables (1.5 MiB) and 12.4 MiB the tracker does not see, neither modelled. Counted
-    as 2·e·root before issue 30 (an unsharded root in the compute dtype), which is the same in FP32 but
-    half the input and copy in BF16: ``small``, BF16, ZeRO-3 on the CPU measured 112.8 MiB where the
-    engine said 96.3 (traced: input 16 MiB, gloo's copy 16 MiB, output 8 MiB at the peak). With the
-    head a unit of its own (:func:`kept_head`) the root reduced last is the embedding alone."""
+    Over NCCL the peak is the input's allocation: traced (``run.mode=fake``, CUDA's kernels, Llama-3-8B
+    cut to 2 layers, dp 8, sequence 2048, BF16; 8,351 MiB): the layers' shards (not yet the root's),
+    the input (4 B per root parameter) and both vocabulary matrices' BF16 gradients (the head's, made at
+    backward's start and held for the root's reduction, and the embedding's). Counted before as every
+    shard, the root's among them, and one vocabulary gradient: 6 % under there.
+
+    Over gloo (``device=cpu``) the reduce-scatter also holds a whole copy of its input while it runs
+    (``ProcessGroupGloo::_reduce_scatter_base`` clones it, then all-reduces the copy), and the peak is
+    that copy's: every shard (4n/(d·c)), the input and its copy, and one vocabulary matrix's dense
+    gradient, e·v·h/t. Found on ``medium`` (v 16,384, h 384, FP32) with full recomputation at dp 2 and
+    dp 4 (issue 15: -14 % and -9.5 %): the measured peak less the states is 4n/d + 133.8 MiB at both; the
+    input and gloo's copy, 2 × 4·root = 96 MiB, and e·v·h = 24 MiB account for 120, the rest being the
+    rotary tables (1.5 MiB) and 12.4 MiB the tracker does not see, neither modelled. ``small``, BF16,
+    ZeRO-3 on the CPU: 112.8 MiB measured, the engine 112.3. With the head a unit of its own
+    (:func:`kept_head`) the root reduced last is the embedding alone."""
     e = elem_bytes(t.precision)
     n = stage_params(m, stage=stage, pp=p.pp, tp=p.tp)
     shards = p.dp * p.cp
     root = non_layer_params(m, stage=stage, pp=p.pp, tp=p.tp)
+    if not gloo:
+        if kept_head(m, p) and not m.tie_embeddings:  # the head unit was reduced after its backward
+            root -= kept_head(m, p)
+        padded = -(-root // shards) * shards
+        return -(-4 * (n - root) // shards) + 4 * padded + e * root
     head_grad = 0
     if kept_head(m, p) and not m.tie_embeddings:
         # The head unit's reduce-scatter is not the root's; traced (small, FP32, dp 2): its unsharded FP32
@@ -91,7 +115,7 @@ def fsdp_backward_end(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int
         head_grad = 4 * kept_head(m, p)
     padded = -(-root // shards) * shards
     dense = e * m.vocab_size * m.hidden_size // p.tp
-    return -(-4 * n // shards) + 4 * padded * (2 if gloo else 1) + head_grad + dense
+    return -(-4 * n // shards) + 4 * padded * 2 + head_grad + dense
 
 
 def grad_reduce(m: ModelSpec, *, tp: int, zero_stage: int, shards: int, engine: str) -> int:

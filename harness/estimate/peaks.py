@@ -92,10 +92,12 @@ def fsdp_last_stage_peaks(
     kept = elem_bytes(t.precision) * buf.kept_head(m, p)
     terms["fsdp_allgather"] += kept
     buffers += kept
-    extra = max(0, buf.fsdp_root_regather(m, p, t, stage=stage) - kept - terms["logits"] - terms["loss"])
+    gloo = spec.device.name == "cpu"
+    regather = buf.fsdp_root_regather(m, p, t, stage=stage, gloo=gloo)
+    extra = max(0, regather - kept - terms["logits"] - terms["loss"])
     terms["fsdp_allgather"] += extra
     buffers += extra
-    end = buf.fsdp_backward_end(m, p, t, stage=stage, gloo=spec.device.name == "cpu") - terms["grads"]
+    end = buf.fsdp_backward_end(m, p, t, stage=stage, gloo=gloo) - terms["grads"]
     extra = max(0, end - (buffers + activations))
     terms["fsdp_allgather"] += extra
     return buffers + extra

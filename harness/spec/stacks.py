@@ -165,6 +165,31 @@ def require_runnable(cfg: dict[str, Any], command: str) -> None:
         )
 
 
+def stacks_of(spec: RunSpec) -> tuple[str, ...]:
+    """The stacks whose choices (recomputation aside, which a study varies on purpose) give this
+    canonical ``spec``: each stack's values put in and the canonical form taken again. A point with
+    nothing to choose (one micro-batch, one data-parallel rank, no ZeRO-3) matches every stack."""
+    import dataclasses
+
+    from harness.spec.identity import canonical_form
+
+    out = []
+    for stack in STACKS.values():
+        fields: dict[str, dict[str, Any]] = {"parallel": {}, "train": {}}
+        for key, value in stack.choices.items():
+            section, name = key.split(".")
+            if key != "train.recompute":
+                fields[section][name] = value
+        other = dataclasses.replace(
+            spec,
+            parallel=dataclasses.replace(spec.parallel, **fields["parallel"]),
+            train=dataclasses.replace(spec.train, **fields["train"]),
+        )
+        if canonical_form(other) == spec:
+            out.append(stack.name)
+    return tuple(out)
+
+
 def config_spec(cfg: dict[str, Any]) -> RunSpec:
     """The RunSpec of a composed config, its stack applied (the one conversion every command uses)."""
     resolved, _ = apply_stack(cfg)

@@ -26,11 +26,17 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 # Added here: the CPU flash kernel, the counterpart on this machine of the CUDA flash kernel they list
 # (without it the CPU runner would recompute attention where a GPU run keeps it). The math kernel is not
 # one op (its matmuls are bmm, its softmax separate), so under ``op`` its scores are recomputed.
+# cuDNN attention (what SDPA picks first on sm90/sm100) and the overrideable fused kernel are on
+# torchtitan's list too (pytorch/torchtitan b5bcd76c, ``activation_checkpoint.py``): without them an
+# H100 run would recompute attention where torchtitan keeps it. A fake run's emulated CUDA kernel
+# (harness/runner/fake/kernels.py) adds its own op here.
 OP_SAVE_LIST = {
     torch.ops.aten.mm.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_fused_attention_overrideable.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
     torch.ops.aten.max.default,
 }
