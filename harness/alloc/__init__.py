@@ -7,15 +7,17 @@ May import: the standard library and sortedcontainers; never torch.
 
 from harness.alloc.allocator import CachingAllocator, OutOfMemory, ReplayResult, round_size
 from harness.alloc.settings import ReplaySettings, alloc_conf_from_env, replay_settings
-from harness.alloc.trace import TraceError, load_trace, replay, seed
+from harness.alloc.trace import CAPACITY_VERDICTS, TraceError, capacity_verdict, load_trace, replay, seed
 
 __all__ = [
+    "CAPACITY_VERDICTS",
     "CachingAllocator",
     "OutOfMemory",
     "ReplayResult",
     "ReplaySettings",
     "TraceError",
     "alloc_conf_from_env",
+    "capacity_verdict",
     "load_trace",
     "replay",
     "replay_settings",

@@ -18,6 +18,38 @@ class TraceError(ValueError):
     """A trace that cannot be replayed; the message names the event."""
 
 
+# What a trace does on a card whose allocator may reserve ``capacity_bytes`` (issue 32): it fits; it fits
+# only because the allocator released its cache and retried (``num_alloc_retries``: each a
+# synchronising cudaFree of every unused cached segment, slower); it runs out of memory although its
+# tensors alone would fit (fragmentation: the reserved level does not fit even after the flush); or
+# its tensors alone do not fit.
+CAPACITY_VERDICTS = ("fits", "fits_after_flush", "oom_fragmentation", "oom_allocated")
+
+
+def capacity_verdict(
+    events: list[dict[str, Any]],
+    capacity_bytes: int,
+    *,
+    peak_allocated_bytes: int,
+    **options: Any,
+) -> dict[str, Any]:
+    """``events`` replayed against ``capacity_bytes`` (``options`` as :func:`replay` takes them):
+    ``verdict`` (one of :data:`CAPACITY_VERDICTS`), ``num_alloc_retries`` (the cache flushes before
+    the step ended or ran out) and ``peak_reserved_bytes`` (what the bounded allocator reserved at
+    most). ``peak_allocated_bytes``: the tensors' own peak, from an unbounded replay, which tells an
+    out-of-memory by fragmentation from one at the allocated level."""
+    r = replay(events, capacity_bytes=capacity_bytes, **options)
+    if r.num_ooms:
+        verdict = "oom_fragmentation" if peak_allocated_bytes <= capacity_bytes else "oom_allocated"
+    else:
+        verdict = "fits_after_flush" if r.num_alloc_retries else "fits"
+    return {
+        "verdict": verdict,
+        "num_alloc_retries": r.num_alloc_retries,
+        "peak_reserved_bytes": r.peak_reserved_bytes,
+    }
+
+
 def replay(
     events: Iterable[dict[str, Any]],
     *,

@@ -43,8 +43,15 @@ def replay_command(overrides: Sequence[str]) -> int:
     if initial:  # a CUDA run's timed window: the allocator's state at its start comes first
         options["initial_segments"] = initial
     result = replay(events, **options)
+    judged = None
+    if options["capacity_bytes"] is not None:  # what the card would say (issue 32)
+        from harness.alloc import capacity_verdict
+
+        unbounded = replay(events, **{**options, "capacity_bytes": None})
+        judged = capacity_verdict(events, peak_allocated_bytes=unbounded.peak_allocated_bytes, **options)
     if fmt == "json":
-        print(json.dumps({"trace": str(cfg["trace"]), **result.as_dict()}, indent=2))
+        extra = {"capacity_verdict": judged["verdict"]} if judged else {}
+        print(json.dumps({"trace": str(cfg["trace"]), **result.as_dict(), **extra}, indent=2))
         return 0
     # The segments at the reserved peak: a second, deterministic replay stopped at that event.
     if result.reserved_peak_event is not None:
@@ -52,6 +59,13 @@ def replay_command(overrides: Sequence[str]) -> int:
             events, stop_at=result.reserved_peak_event, **options
         ).segments_at_reserved_peak
     print(replay_table(result))
+    if judged:
+        from harness.cli.render.common import capacity_words, human
+
+        print(
+            f"on a card of {human(options['capacity_bytes'])}: "
+            f"{capacity_words(judged['verdict'], judged['num_alloc_retries'])}"
+        )
     return 0
 
 

@@ -94,6 +94,14 @@ def outside_terms(spec: RunSpec) -> dict[str, int]:
     }
 
 
+def allocator_capacity_bytes(est) -> int:
+    """What the caching allocator may reserve on the card of an
+    :class:`~harness.estimate.core.Estimate`: the device's memory less what lives outside the
+    allocator (CUDA context, NCCL's buffers; 0 on the CPU). A trace replayed against it is judged as
+    the card would judge it (harness.alloc.capacity_verdict)."""
+    return max(1, est.capacity_bytes - est.outside_allocator_bytes)
+
+
 def verdict_bytes(est, calibration=None) -> int:
     """The device level a verdict is judged on, for an :class:`~harness.estimate.core.Estimate`:
     uncalibrated, the estimate's own; with a calibration profile, its allocated peak, its fitted

@@ -17,6 +17,11 @@ Fields added by issue 33 (CUDA runs; None or absent elsewhere):
 - ``segment_allocs_measured``: the ``segment_alloc``/``segment_map`` events of the CUDA trace in the
   timed window; ``sim_segments_opened``: the segments the replay of that window opened — both from
   the rank with the highest simulated reserved peak (or the first rank with a count).
+- ``sim_capacity_bytes``, ``sim_capacity_verdict``, ``sim_num_alloc_retries`` (issue 32): each rank's
+  replayed trace judged against what the allocator may reserve on the card (the device's memory less
+  the estimated CUDA context and NCCL buffers): fits, fits_after_flush (the allocator released its
+  cache and retried, ``sim_num_alloc_retries`` times), oom_fragmentation (the tensors fit, the reserve
+  does not), oom_allocated; the worst rank's verdict, the most retries. CPU and fake runs.
 - ``env_cuda_version`` (torch's build), ``env_driver_version`` (the kernel module's, read from
   /proc/driver/nvidia/version or nvidia-smi), ``env_cudnn_version``, ``env_nccl_version`` (as a rank
   loaded them): none of them initialises CUDA in the supervisor.
@@ -221,6 +226,22 @@ def _cuda_fields(done: list[dict[str, Any]], simulated: list[dict[str, Any]]) ->
     return out
 
 
+def _capacity_fields(simulated: list[dict[str, Any]]) -> dict[str, Any]:
+    """The replays against the card's capacity (issue 32): the worst rank's verdict (in the order of
+    harness.alloc.CAPACITY_VERDICTS), the most cache flushes of any rank, and the capacity."""
+    from harness.alloc import CAPACITY_VERDICTS
+
+    judged = [r for r in simulated if r.get("sim_capacity_verdict") in CAPACITY_VERDICTS]
+    if not judged:
+        return {}
+    worst = max(judged, key=lambda r: CAPACITY_VERDICTS.index(r["sim_capacity_verdict"]))
+    return {
+        "sim_capacity_bytes": worst["sim_capacity_bytes"],
+        "sim_capacity_verdict": worst["sim_capacity_verdict"],
+        "sim_num_alloc_retries": max(r["sim_num_alloc_retries"] for r in judged),
+    }
+
+
 def finish_record(
     spec: RunSpec,
     ranks: list[dict[str, Any]],
@@ -268,6 +289,7 @@ def finish_record(
             row["sim_peak_reserved_bytes"] = top["sim_peak_reserved_bytes"]
             row["sim_fragmentation_bytes"] = top["sim_fragmentation_bytes"]
             row["sim_peak_allocated_bytes"] = max(r["sim_peak_allocated_bytes"] for r in simulated)
+            row.update(_capacity_fields(simulated))
         row.update(_cuda_fields(done, simulated))
         traces = [r["trace_file"] for r in sorted(done, key=lambda r: r["rank"]) if r.get("trace_file")]
         snapshots = [r["memory_snapshot"] for r in ranks if r.get("memory_snapshot")]

@@ -34,6 +34,15 @@ DATA_SEED = 1234
 MODEL_SEED = 0
 
 
+def _allocator_capacity(spec: RunSpec) -> int:
+    """The card's memory less what the estimate puts outside the caching allocator: the capacity the
+    step's replayed trace is judged against (harness.estimate.levels.allocator_capacity_bytes)."""
+    from harness.estimate import estimate
+    from harness.estimate.levels import allocator_capacity_bytes
+
+    return allocator_capacity_bytes(estimate(spec))
+
+
 def synthetic_batch(spec: RunSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's global batch of token ids and next-token targets, identical on every rank and in the
     single-rank reference."""
@@ -280,6 +289,7 @@ def _run(spec: RunSpec, device: torch.device, artifacts: _Artifacts | None = Non
         return float("nan") if loss is None else loss.item()
 
     memory = PeakMemory(par.modules, par.optimizer, device)
+    memory.capacity_bytes = _allocator_capacity(spec)
     for _ in range(WARMUP_STEPS):
         losses.append(step())
     if device.type == "cpu":

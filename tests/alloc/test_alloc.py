@@ -199,8 +199,11 @@ def test_replay_command_prints_json_and_refuses_bad_traces(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["peak_reserved_bytes"] == 30 * MiB and out["num_alloc_retries"] == 1  # as above
     assert out["num_ooms"] == 0 and out["peak_allocated_bytes"] == 30 * MiB
+    assert out["capacity_verdict"] == "fits_after_flush"  # issue 32: what the card would do
     assert main(["replay", f"trace={path}"]) == 0
     assert "segments at the reserved peak" in capsys.readouterr().out
+    assert main(["replay", f"trace={path}", "replay.capacity_bytes=41943040"]) == 0
+    assert "on a card of 40.0 MiB: fits only after 1 cache flush(es)" in capsys.readouterr().out
     path.write_text(json.dumps([free(3)]))
     assert main(["replay", f"trace={path}"]) == 2
     err = capsys.readouterr().err
@@ -279,3 +282,27 @@ def test_replay_from_a_snapshots_segments_reuses_their_cache_and_starts_its_peak
     assert empty.num_segments_opened == 1  # from an empty cache the same request opens one
     idle = replay([], initial_segments=segments)
     assert (idle.peak_reserved_bytes, idle.peak_allocated_bytes) == (20 * mib, 4 * mib)
+
+
+@pytest.mark.parametrize(
+    ("events", "verdict", "retries"),
+    [
+        # Room for everything.
+        ([alloc(1, 60 * MiB), free(1), alloc(2, 30 * MiB)], "fits", 0),
+        # The freed 60 MiB stay cached; 80 more would reserve 140: the allocator releases its cache
+        # (one retry) and then fits.
+        ([alloc(1, 60 * MiB), free(1), alloc(2, 80 * MiB)], "fits_after_flush", 1),
+        # A 10 MiB block is split from the cached 60 MiB segment, which it then pins; 56 MiB more do not
+        # fit the 50 left in it, and the segment cannot be released: out of memory with 66 MiB of tensors.
+        ([alloc(1, 60 * MiB), free(1), alloc(2, 10 * MiB), alloc(3, 56 * MiB)], "oom_fragmentation", 1),
+        # The tensors alone exceed the card.
+        ([alloc(1, 60 * MiB), alloc(2, 50 * MiB)], "oom_allocated", 1),
+    ],
+)
+def test_a_trace_against_the_card_says_which_of_four_outcomes(events, verdict, retries):
+    from harness.alloc import capacity_verdict
+
+    unbounded = replay(events)
+    judged = capacity_verdict(events, 100 * MiB, peak_allocated_bytes=unbounded.peak_allocated_bytes)
+    assert (judged["verdict"], judged["num_alloc_retries"]) == (verdict, retries)
+    assert judged["peak_reserved_bytes"] <= 100 * MiB

@@ -311,3 +311,6 @@ def test_a_gpu_fake_run_prints_its_three_levels_with_the_verdict(tmp_path):
     line = next(ln for ln in r.stdout.splitlines() if ln.strip().startswith("levels:"))
     assert "(traced)" in line and "(replayed)" in line and "+ CUDA context and NCCL, estimated" in line
     assert line.endswith("→ fits (threshold 50%)")
+    # issue 32: and what the card's allocator does with the trace
+    card = next(ln for ln in r.stdout.splitlines() if ln.strip().startswith("on the card:"))
+    assert card.strip().startswith("on the card: fits (the trace replayed against the 78.")

@@ -750,3 +750,28 @@ def test_first_stage_holds_the_mlp_backward_working_set_as_traced():
     assert traced["categories"]["temporaries"] == 8_650_752
     engine = estimate(s, engine="torch").stages[0].total_bytes
     assert abs(engine - traced["peak_allocated_bytes"]) <= 0.01 * traced["peak_allocated_bytes"]
+
+
+def test_a_fake_row_says_what_the_card_would_do_with_its_trace():
+    # Issue 32: each rank's trace replayed against what the allocator may reserve on the card (on the
+    # CPU preset: device.memory_gib, nothing outside the allocator). Room for the replayed reserve:
+    # fits; between the tensors' peak and the reserve: the allocator must flush its cache (and then
+    # fits, or runs out by fragmentation); below the tensors' peak: out of memory at the allocated level.
+    import dataclasses
+
+    def row(memory_bytes: float) -> dict:
+        s = spec("tiny", parallel_dp=2, parallel_zero_stage=3, train_seq_len=512)
+        s = dataclasses.replace(s, device=dataclasses.replace(s.device, memory_gib=memory_bytes / 2**30))
+        out = run_fake(s)
+        assert out["status"] in ("ok", "oom"), out["error"]
+        return out
+
+    roomy = row(2**30)
+    allocated, reserved = roomy["sim_peak_allocated_bytes"], roomy["sim_peak_reserved_bytes"]
+    assert roomy["sim_capacity_verdict"] == "fits" and roomy["sim_num_alloc_retries"] == 0
+    assert reserved > 1.05 * allocated  # room between the two levels to judge
+    between = row((allocated + reserved) / 2)
+    assert between["sim_capacity_verdict"] in ("fits_after_flush", "oom_fragmentation")
+    assert between["sim_num_alloc_retries"] >= 1
+    short = row(0.9 * allocated)
+    assert short["sim_capacity_verdict"] == "oom_allocated"

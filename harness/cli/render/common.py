@@ -96,15 +96,42 @@ def train_line(spec: RunSpec) -> str:
     )
 
 
-def verdict(device_bytes: float, capacity_bytes: float, threshold: float) -> str:
+def verdict(
+    device_bytes: float, capacity_bytes: float, threshold: float, allocated_bytes: float | None = None
+) -> str:
     """The verdict on a device level: ``fits`` within the safety margin (``threshold``, a ratio of the
     capacity), ``over the safety margin`` between it and the card (with the headroom left), ``does NOT
-    fit`` over the card (by how much). Never "fits" above 100 % (issue 31)."""
+    fit`` over the card (by how much). Never "fits" above 100 % (issue 31). ``allocated_bytes``: the
+    same level without the allocator's reserve (the tensors and what lives outside the allocator);
+    where it fits and the device level does not, the card's allocator decides (issue 32): it fits
+    after flushing its cache, or runs out by fragmentation, which only a replay against the card
+    (``run.mode=fake``) tells apart."""
     if device_bytes <= threshold * capacity_bytes:
         return "fits"
     if device_bytes <= capacity_bytes:
         return f"over the safety margin ({human(capacity_bytes - device_bytes)} of headroom left)"
-    return f"does NOT fit ({human(device_bytes - capacity_bytes)} over the card)"
+    over = human(device_bytes - capacity_bytes)
+    if allocated_bytes is not None and allocated_bytes <= capacity_bytes:
+        return (
+            f"does NOT fit at the reserved level ({over} over the card; the tensors fit: only after "
+            "cache flushes, or out of memory by fragmentation)"
+        )
+    return f"does NOT fit ({over} over the card)"
+
+
+# The words for harness.alloc.CAPACITY_VERDICTS (a trace replayed against the card's capacity).
+CAPACITY_WORDS = {
+    "fits": "fits",
+    "fits_after_flush": "fits only after {n} cache flush(es): the allocator released its cache and "
+    "retried (slower)",
+    "oom_fragmentation": "out of memory by fragmentation: the tensors fit, the allocator's reserve does not",
+    "oom_allocated": "out of memory: the tensors alone exceed the card",
+}
+
+
+def capacity_words(verdict_name: str, retries: int | None) -> str:
+    """``sim_capacity_verdict`` in words."""
+    return CAPACITY_WORDS.get(verdict_name, verdict_name).format(n=retries or 0)
 
 
 def with_stack(text: str, stack: Any) -> str:

@@ -50,7 +50,8 @@ def estimate_table(
     if len(cols) < len(est.stages):
         lines.append(f"({len(est.stages)} stages; format=json lists every one)")
     util = est.device_utilisation
-    said = verdict(est.device_total_bytes, est.capacity_bytes, threshold)
+    outside = est.outside_allocator_bytes
+    said = verdict(est.device_total_bytes, est.capacity_bytes, threshold, est.total_bytes + outside)
     reserved = est.reserved_terms()
     lines += [
         "",
@@ -70,7 +71,9 @@ def estimate_table(
 
         device = verdict_bytes(est, profile)
         cal_util = device / est.capacity_bytes
-        cal_verdict = verdict(device, est.capacity_bytes, threshold)
+        cal_verdict = verdict(
+            device, est.capacity_bytes, threshold, calibrated_bytes + est.outside_allocator_bytes
+        )
         reserved = profile.reserved_bytes(est)
         lines += [
             f"calibrated ({profile.path}): allocated {human(calibrated_bytes)}"

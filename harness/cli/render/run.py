@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from harness.cli.render.common import human, human_bytes_in, recompute_label, verdict
+from harness.cli.render.common import capacity_words, human, human_bytes_in, recompute_label, verdict
 
 
 def _clean(value: Any) -> Any:
@@ -63,11 +63,19 @@ def levels_line(r: dict[str, Any], threshold: float) -> str | None:
     else:
         return None
     capacity = est.capacity_bytes
-    return (
+    allocated = r["peak_allocated_bytes"] + est.outside_allocator_bytes
+    line = (
         f"  levels: allocated {human(r['peak_allocated_bytes'])} ({'traced' if traced else 'measured'}), "
         f"reserved {human(reserved)} ({how}), device {human(device)} ({dhow}) of {human(capacity)} "
-        f"= {device / capacity:.1%} → {verdict(device, capacity, threshold)} (threshold {threshold:.0%})"
+        f"= {device / capacity:.1%} → {verdict(device, capacity, threshold, allocated)} "
+        f"(threshold {threshold:.0%})"
     )
+    if r.get("sim_capacity_verdict") and r.get("sim_capacity_bytes"):
+        line += (
+            f"\n  on the card: {capacity_words(r['sim_capacity_verdict'], r.get('sim_num_alloc_retries'))} "
+            f"(the trace replayed against the {human(r['sim_capacity_bytes'])} the allocator may reserve)"
+        )
+    return line
 
 
 def record_table(record: dict[str, Any], *, threshold: float = 0.8) -> str:

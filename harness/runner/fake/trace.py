@@ -35,6 +35,8 @@ def trace_rank(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from harness.estimate import estimate
+    from harness.estimate.levels import allocator_capacity_bytes
     from harness.runner.fake import kernels as fake_kernels
     from harness.runner.measure.peak import PeakMemory
     from harness.runner.model import Llama
@@ -71,6 +73,7 @@ def trace_rank(
             per_rank = (t.micro_batch_size * t.num_microbatches, t.seq_len // p.cp)
             tokens = torch.randint(0, spec.model.vocab_size, per_rank)
             memory = PeakMemory(par.modules, par.optimizer, cpu, allocator=False)
+            memory.capacity_bytes = allocator_capacity_bytes(estimate(spec))
             warm_up(par, tokens, spec)
             with memory.measure():
                 train_step(par, tokens, tokens, num_microbatches=t.num_microbatches)

@@ -63,6 +63,9 @@ class PeakMemory:
         self.tracker = None
         self._result: dict[str, Any] = {}
         self.trace: dict[str, Any] | None = None  # the step's allocation trace, a snapshot-shaped dict
+        # What the caching allocator may reserve on the card the trace is replayed for (the device's
+        # memory less what lives outside the allocator): its replay is then also judged against it.
+        self.capacity_bytes: int | None = None
 
     @contextlib.contextmanager
     def measure(self) -> Iterator[None]:
@@ -200,7 +203,7 @@ class PeakMemory:
 
     def _simulate(self, events: list[dict[str, Any]]) -> None:
         try:
-            self._result.update(simulated(events))
+            self._result.update(simulated(events, capacity_bytes=self.capacity_bytes))
         except ValueError as e:  # harness.alloc.TraceError: the reconstruction's fault, not the run's
             import sys
 

@@ -204,28 +204,40 @@ def simulated(
     initial_segments: list[dict[str, Any]] | None = None,
     expandable_segments: bool = False,
     max_split_size_mb: float | None = None,
+    capacity_bytes: int | None = None,
 ) -> dict[str, Any]:
     """The step's trace replayed through the CUDA caching-allocator model (harness/alloc): the
     reserved peak a GPU would show and its fragmentation, no capacity (out of memory is judged later).
+    ``capacity_bytes`` (what the allocator may reserve on the card): the trace replayed once more
+    against it, ``sim_capacity_verdict`` (harness.alloc.CAPACITY_VERDICTS) and
+    ``sim_num_alloc_retries`` (the cache flushes it took), issue 32.
     ``initial_segments``: the allocator's state at the trace's start (CUDA: read from a snapshot);
     ``expandable_segments``/``max_split_size_mb``: the allocator settings the trace was made under.
     ``sim_segments_opened``: the segments the replay opened (with expandable segments: the times it
     mapped more pages), the counterpart of the trace's own ``segment_alloc``/``segment_map`` events."""
-    from harness.alloc import replay
+    from harness.alloc import capacity_verdict, replay
 
-    r = replay(
-        events,
+    options = dict(
         initial_segments=initial_segments,
         expandable_segments=expandable_segments,
         max_split_size_mb=max_split_size_mb,
     )
-    return {
+    r = replay(events, **options)
+    out = {
         "sim_peak_allocated_bytes": r.peak_allocated_bytes,
         "sim_peak_reserved_bytes": r.peak_reserved_bytes,
         "sim_fragmentation_bytes": r.fragmentation_bytes,
         "sim_segments_opened": r.num_segments_opened,
         "trace_events": r.num_events,
     }
+    if capacity_bytes is not None and capacity_bytes > 0:
+        v = capacity_verdict(events, capacity_bytes, peak_allocated_bytes=r.peak_allocated_bytes, **options)
+        out.update(
+            sim_capacity_bytes=capacity_bytes,
+            sim_capacity_verdict=v["verdict"],
+            sim_num_alloc_retries=v["num_alloc_retries"],
+        )
+    return out
 
 
 # The actions of a CUDA trace by which the allocator takes memory from the device: ``segment_alloc``
