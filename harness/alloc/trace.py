@@ -86,6 +86,8 @@ def replay(
         addr, size, stream = ev.get("addr"), ev.get("size", 0), ev.get("stream", 0)
         if not isinstance(addr, int) or isinstance(addr, bool):
             raise TraceError(f"event {i} ({action}): addr {addr!r} is not an integer")
+        if stream is not None and (not isinstance(stream, int) or isinstance(stream, bool)):
+            raise TraceError(f"event {i} ({action} at {addr:#x}): stream {stream!r} is not an integer")
         if action == "alloc":
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
                 raise TraceError(f"event {i} (alloc at {addr:#x}): size {size!r} must be an integer >= 0")
@@ -187,6 +189,8 @@ def load_trace_file(path: str | Path) -> tuple[list[dict[str, Any]], list[dict[s
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise TraceError(f"{path} is not JSON: {exc}") from None
+        except RecursionError:
+            raise TraceError(f"{path}: JSON nested too deeply to be a trace") from None
     initial = None
     if isinstance(data, dict):
         traces = data.get("device_traces")

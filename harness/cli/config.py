@@ -83,12 +83,22 @@ def expand(overrides: Sequence[str]) -> list[str]:
                 fields = model_fields(value)
             except HFConfigError as exc:
                 raise ConfigError(str(exc)) from None
-            out += [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fields.items()]
+            out += [f"model.{k}={_override_value(v)}" for k, v in fields.items()]
         elif key in LIST_KEYS and "," in value and not value.startswith(("[", "'", '"')):
             out.append(f"{key}=[{value}]")
         else:
             out.append(o)
     return out
+
+
+def _override_value(value) -> str:
+    """A value as a Hydra override types it: booleans lower case, strings quoted (issue 29: a model
+    folder named ``2024`` or ``true`` became an int or a bool)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        return f"'{value}'"  # the name holds only [A-Za-z0-9_.-] (harness.spec.hf_config)
+    return str(value)
 
 
 def _flat_keys(cfg: dict[str, Any], prefix: str = "") -> list[str]:

@@ -14,6 +14,7 @@ from harness.cli.config import ConfigError, compose, engine_name, gpu_scale_defa
 from harness.cli.results import load_runs, report_command, results_command
 from harness.runner.procs import Terminated
 from harness.spec import InvalidSpec
+from harness.spec.validate import MAX_RANKS
 
 
 def _output_settings(cfg: dict) -> tuple[str, float]:
@@ -154,21 +155,20 @@ def _plan(overrides: Sequence[str]) -> int:
     fmt, threshold = _output_settings(cfg)
     p = cfg["plan"]
     opts = PlanOptions(
-        gpus=int(p["gpus"]),
+        gpus=_whole(p["gpus"], "plan.gpus", MAX_RANKS),
         global_batch_size=p["global_batch_size"],
         micro_batch_sizes=tuple(p["micro_batch_sizes"]),
         zero_stages=tuple(p["zero_stages"]),
         recompute=tuple(p["recompute"]),
         pp_schedules=tuple(p["pp_schedules"]),
         virtual_stages=tuple(p["virtual_stages"]),
-        max_tp=int(p["max_tp"]),
+        max_tp=_whole(p["max_tp"], "plan.max_tp", MAX_RANKS),
         threshold=threshold,
         engine=engine_name(cfg),
         calibration=_profile(cfg),
         step_time=_step_time(cfg),
     )
-    if int(p["top"]) < 1:
-        raise ValueError(f"plan.top={p['top']} must be >= 1 (rows printed)")
+    _whole(p["top"], "plan.top", 10**9)  # rows printed
     if p.get("emit"):  # a path Hydra could not find as a study fails before the work, not after
         from harness.cli.config import config_dir
         from harness.cli.emit import study_target
@@ -189,6 +189,21 @@ def _plan(overrides: Sequence[str]) -> int:
     return 0
 
 
+def _whole(value, key: str, most: int) -> int:
+    """A count given on the command line: a whole number from 1 to ``most`` (issue 29: plan.gpus=1.5
+    was silently 1, plan.max_gpus=10**12 ran out of memory)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or value != value
+        or value != int(value)
+    ):
+        raise ValueError(f"{key}={value!r} must be a whole number")
+    if not 1 <= value <= most:
+        raise ValueError(f"{key}={value!r} must be from 1 to {most:,}")
+    return int(value)
+
+
 def _plan_solve(cfg: dict, opts, fmt: str) -> int:
     """``plan.solve=min_gpus|max_micro_batch|max_seq_len``: a reverse question (harness.estimate.solve)."""
     from harness.cli.render.plan import solve_json, solve_table
@@ -196,7 +211,7 @@ def _plan_solve(cfg: dict, opts, fmt: str) -> int:
 
     p, question, base = cfg["plan"], cfg["plan"]["solve"], run_spec(cfg)
     if question == "min_gpus":
-        solution = sv.min_gpus(base, opts, max_gpus=int(p["max_gpus"]))
+        solution = sv.min_gpus(base, opts, max_gpus=_whole(p["max_gpus"], "plan.max_gpus", MAX_RANKS))
     elif question == "max_micro_batch":
         solution = sv.max_micro_batch(base, opts)
     elif question == "max_seq_len":
@@ -413,6 +428,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Bad input is one line that says what is wrong, never a traceback.
         print(f"harness {command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C (issue 29: 63 lines of traceback); the ranks were reaped
+        print(
+            f"harness {command}: interrupted (Ctrl-C); nothing was written for the work in progress"
+            + (": run the sweep again to resume" if command == "sweep" else ""),
+            file=sys.stderr,
+        )
+        return 128 + signal.SIGINT
     except Terminated as exc:  # SIGTERM mid-point: its ranks are reaped and it has no row
         print(
             f"harness {command}: terminated ({exc}); no row was written for the point in progress"

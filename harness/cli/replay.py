@@ -15,6 +15,8 @@ def _int_or_none(value, key: str) -> int | None:
         raise ValueError(f"{key}={value!r} must be a positive number of bytes (or null)")
     if value == float("inf"):
         return None
+    if value != int(value):  # issue 29: 1.5 was silently 1 byte
+        raise ValueError(f"{key}={value!r} must be a whole number of bytes")
     return int(value)
 
 
@@ -32,8 +34,10 @@ def replay_command(overrides: Sequence[str]) -> int:
     if not isinstance(expandable, bool):
         raise ValueError(f"replay.expandable_segments={expandable!r} must be true or false")
     split = r["max_split_size_mb"]
-    if split is not None and (isinstance(split, bool) or not isinstance(split, (int, float))):
-        raise ValueError(f"replay.max_split_size_mb={split!r} must be a number of MiB (or null)")
+    if split is not None and (
+        isinstance(split, bool) or not isinstance(split, (int, float)) or not 0 < split < float("inf")
+    ):
+        raise ValueError(f"replay.max_split_size_mb={split!r} must be a finite number of MiB > 0 (or null)")
     options = dict(
         capacity_bytes=_int_or_none(r["capacity_bytes"], "replay.capacity_bytes"),
         max_split_size_mb=split,

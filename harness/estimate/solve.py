@@ -37,24 +37,49 @@ class Solution:
 
 
 def device_counts(gpus_per_node: int, max_gpus: int) -> list[int]:
-    """The device counts ``min_gpus`` tries: powers of two up to a node, then every whole node
-    (1, 2, 4, 8, 16, 24, 32, … with 8 per node)."""
-    counts = [n for n in (2**i for i in range(32)) if n < gpus_per_node and n <= max_gpus]
-    counts += list(range(gpus_per_node, max_gpus + 1, gpus_per_node))
-    return counts
+    """The device counts below a node that ``min_gpus`` tries first: powers of two (1, 2, 4 with 8 per
+    node), at most ``max_gpus``."""
+    return [n for n in (2**i for i in range(32)) if n < gpus_per_node and n <= max_gpus]
 
 
 def min_gpus(base: RunSpec, opts: PlanOptions, *, max_gpus: int) -> Solution:
-    """The fewest devices (of :func:`device_counts`) on which ``plan`` finds a fitting layout."""
+    """The fewest devices on which ``plan`` finds a fitting layout: powers of two below a node, then
+    whole nodes, doubling (1, 2, 4, … nodes, and ``max_gpus``'s whole nodes last) until one fits,
+    then bisecting between the last count that did not and the first that did. Whole nodes are
+    searched by bisection on the understanding that more devices never take a fitting layout away
+    (each axis's degree can stay as it was while dp grows); issue 31: every node count one by one took
+    72 tries for Llama-3.1-405B, and ``plan.max_gpus`` of a million would have taken hours."""
     if max_gpus < 1:
         raise ValueError(f"plan.max_gpus={max_gpus} must be >= 1")
-    tried = []
-    for n in device_counts(base.device.gpus_per_node, max_gpus):
+    tried: list[int] = []
+
+    def attempt(n: int):
         tried.append(n)
         result = plan(base, dataclasses.replace(opts, gpus=n))
-        if result.fitting:
+        return result if result.fitting else None
+
+    for n in device_counts(base.device.gpus_per_node, max_gpus):
+        result = attempt(n)
+        if result:
             return Solution("min_gpus", n, result.fitting[0], None, tuple(tried), result)
-    return Solution("min_gpus", None, None, None, tuple(tried))
+    node, most = base.device.gpus_per_node, max_gpus // base.device.gpus_per_node
+    bad, good, found, k = 0, None, None, 1
+    while k <= most and found is None:
+        found = attempt(k * node)
+        if found:
+            good = k
+        else:
+            bad, k = k, (k * 2 if k * 2 <= most or k == most else most)
+    if found is None:
+        return Solution("min_gpus", None, None, None, tuple(tried))
+    while good - bad > 1:
+        mid = (good + bad) // 2
+        result = attempt(mid * node)
+        if result:
+            good, found = mid, result
+        else:
+            bad = mid
+    return Solution("min_gpus", good * node, found.fitting[0], None, tuple(tried), found)
 
 
 def _row(spec: RunSpec, opts: PlanOptions) -> PlanRow:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,9 @@ UNSUPPORTED = {
 }
 
 
+MAX_BYTES = 16 * 2**20  # a config.json is a few KiB; a file larger than this is not one
+
+
 class HFConfigError(ValueError):
     """A config.json that cannot be read or modelled, with a one-line message."""
 
@@ -55,11 +59,20 @@ def model_fields(path: str | Path) -> dict[str, Any]:
     where = f"model.hf_config={path}"
     path = Path(path).expanduser()
     try:
+        # A regular file of at most MAX_BYTES, checked before reading (issue 29: /dev/zero was read until
+        # the process was killed, a FIFO blocked for ever).
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):
+            raise HFConfigError(f"{where}: not a regular file")
+        if info.st_size > MAX_BYTES:
+            raise HFConfigError(f"{where}: {info.st_size:,} bytes, over the {MAX_BYTES:,} a config.json has")
         cfg = json.loads(path.read_text())
     except OSError as exc:
         raise HFConfigError(f"{where}: cannot read it ({exc.strerror or exc})") from None
-    except json.JSONDecodeError as exc:
-        raise HFConfigError(f"{where}: not JSON ({exc.msg} at line {exc.lineno})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise HFConfigError(f"{where}: not JSON ({getattr(exc, 'msg', exc)})") from None
+    except RecursionError:
+        raise HFConfigError(f"{where}: JSON nested too deeply to be a config.json") from None
     if not isinstance(cfg, dict):
         raise HFConfigError(f"{where}: not a config.json object")
 
@@ -74,7 +87,11 @@ def model_fields(path: str | Path) -> dict[str, Any]:
         for key in keys
         if key in cfg
         and _switched_on(cfg[key])
-        and not (key == "layer_types" and set(cfg[key]) <= {"full_attention"})
+        and not (
+            key == "layer_types"
+            and isinstance(cfg[key], list)
+            and set(map(str, cfg[key])) <= {"full_attention"}
+        )
     ]
     if refused:
         raise HFConfigError(f"{where}: cannot model {', '.join(refused)}: only dense Llama-family models")

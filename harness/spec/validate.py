@@ -45,6 +45,36 @@ def _positive(section: str, spec: Any, names: tuple[str, ...]) -> list[str]:
     return [f"{section}.{n}={v} must be >= 1" for n, v in zip(names, values, strict=True) if v < 1]
 
 
+# Beyond these the arithmetic still runs but a command takes minutes or memory it should not (issue 29:
+# pp = 10^6 took 22 s to estimate, plan.max_gpus = 10^12 ran out of memory). Each is far beyond any
+# training run: a million ranks; 4,096 pipeline chunks; 65,536 layers; sizes below 2^31.
+MAX_RANKS = 2**20
+MAX_CHUNKS = 4096
+MAX_LAYERS = 65536
+MAX_SIZE = 2**31 - 1
+
+
+def _too_large(spec: RunSpec) -> list[str]:
+    m, p, t = spec.model, spec.parallel, spec.train
+    out = []
+    for name, value in (("dp", p.dp), ("tp", p.tp), ("pp", p.pp), ("cp", p.cp), ("world_size", p.world_size)):
+        if value is not None and value > MAX_RANKS:
+            out.append(f"parallel.{name}={value} is over {MAX_RANKS:,} ranks")
+    if p.pp * p.virtual_stages > MAX_CHUNKS:
+        out.append(f"pp·virtual_stages = {p.pp * p.virtual_stages:,} pipeline chunks is over {MAX_CHUNKS:,}")
+    if m.num_layers > MAX_LAYERS:
+        out.append(f"model.num_layers={m.num_layers:,} is over {MAX_LAYERS:,}")
+    for section, obj, names in (
+        ("model", m, ("hidden_size", "ffn_hidden_size", "vocab_size", "num_heads", "num_kv_heads")),
+        ("train", t, ("seq_len", "micro_batch_size", "num_microbatches", "steps")),
+    ):
+        for name in names:
+            value = getattr(obj, name)
+            if value is not None and value > MAX_SIZE:
+                out.append(f"{section}.{name}={value:,} is over {MAX_SIZE:,}")
+    return out
+
+
 def type_problems(spec: RunSpec) -> list[str]:
     """Fields of ``spec`` whose value has the wrong type."""
     return [
@@ -82,8 +112,12 @@ def layout_problems(spec: RunSpec) -> list[str]:
         out.append(f"parallel.dp={p.dp} must be >= 1")
     if p.world_size is not None and p.world_size < 1:
         out.append(f"parallel.world_size={p.world_size} must be >= 1")
-    if spec.device.memory_gib <= 0:
-        out.append(f"device.memory_gib={spec.device.memory_gib} must be > 0")
+    gib = spec.device.memory_gib
+    if not 0 < gib < float("inf"):
+        out.append(f"device.memory_gib={gib} must be a finite number of GiB > 0")
+    elif gib * 2**30 < 2**20:
+        out.append(f"device.memory_gib={gib} is under 1 MiB ({gib * 2**30:.3g} bytes)")
+    out += _too_large(spec)
     if out:
         return out
 

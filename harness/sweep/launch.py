@@ -77,6 +77,12 @@ def host_memory_bytes() -> int | None:
     return None
 
 
+def host_rank_limit() -> int:
+    """The most CPU ranks one host forks for a point: 8 per core, at least 16 (issue 29: a run of
+    dp = 100,000 would have forked that many processes; the studies run up to 8 on 2 cores)."""
+    return max(16, 8 * (os.cpu_count() or 1))
+
+
 def beyond_reach(spec, est, cfg: dict[str, Any]) -> str | None:
     """Why a point must never be launched, whatever the pruning settings: its estimate exceeds the
     device by LAUNCH_LIMIT, or (CPU, where ranks share the host's RAM) its ranks on one host exceed
@@ -84,9 +90,14 @@ def beyond_reach(spec, est, cfg: dict[str, Any]) -> str | None:
     if est.utilisation > LAUNCH_LIMIT:
         return f"estimate {est.utilisation:.3g}× capacity > {LAUNCH_LIMIT:g}× (never launched)"
     host = host_memory_bytes()
+    per_node = cfg.get("sweep", {}).get("ranks_per_node")
+    ranks = min(spec.parallel.world, int(per_node)) if per_node else spec.parallel.world
+    if spec.device.name == "cpu" and ranks > host_rank_limit():
+        return (
+            f"{ranks} ranks on one host, over its limit of {host_rank_limit()} "
+            f"(8 per CPU core, at least 16; never launched)"
+        )
     if spec.device.name == "cpu" and host:
-        per_node = cfg.get("sweep", {}).get("ranks_per_node")
-        ranks = min(spec.parallel.world, int(per_node)) if per_node else spec.parallel.world
         need = est.total_bytes * ranks
         if need > HOST_LIMIT * host:
             return (

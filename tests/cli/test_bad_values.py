@@ -1,0 +1,141 @@
+"""Bad values and unbounded sizes are one line and exit 2, never a traceback, a hang or a fork bomb
+(issue 29, items 7 and 8). Each case failed on the code before: a traceback (OverflowError,
+ZeroDivisionError, MemoryError, TypeError, RecursionError), a silent truncation (plan.gpus=1.5 as 1,
+replay.capacity_bytes=1.5 as 1 byte), a read that never ends (/dev/zero, a FIFO) or minutes of work."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from harness.cli.main import main
+
+
+def one_line_error(capsys, args: list[str]) -> str:
+    start = time.monotonic()
+    assert main(args) == 2
+    assert time.monotonic() - start < 10
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if not ln.startswith("note: ")]  # a GPU-scale model's note
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["estimate", "device.memory_gib=inf"], "device.memory_gib=inf must be a finite number of GiB > 0"),
+        (["estimate", "device.memory_gib=1e-30"], "device.memory_gib=1e-30 is under 1 MiB"),
+        (["estimate", "parallel.pp=1000000", "model.num_layers=1000000"], "pipeline chunks is over 4,096"),
+        (["estimate", "parallel.dp=100000000000"], "parallel.dp=100000000000 is over 1,048,576 ranks"),
+        (["plan", "plan.gpus=1.5"], "plan.gpus=1.5 must be a whole number"),
+        (["plan", "plan.gpus=1000000000000"], "plan.gpus=1000000000000 must be from 1 to 1,048,576"),
+        (
+            ["plan", "model=llama3_8b", "plan.solve=min_gpus", "plan.max_gpus=1000000000000"],
+            "plan.max_gpus=1000000000000 must be from 1 to 1,048,576",
+        ),
+        (["plan", "plan.top=0"], "plan.top=0 must be from 1"),
+    ],
+)
+def test_bad_sizes_are_one_line(capsys, args, message):
+    assert message in one_line_error(capsys, args)
+
+
+def test_run_refuses_more_ranks_than_a_host_should_fork(capsys):
+    err = one_line_error(capsys, ["run", "parallel.dp=100000"])
+    assert "not run" in err
+    err = one_line_error(capsys, ["run", "parallel.dp=64", "model=tiny"])
+    assert "64 ranks on one host, over its limit" in err
+
+
+@pytest.mark.parametrize(
+    ("events", "extra", "message"),
+    [
+        ([{"action": "alloc", "addr": 1, "size": 10, "stream": [1]}], [], "stream [1] is not an integer"),
+        ([], ["replay.capacity_bytes=1.5"], "replay.capacity_bytes=1.5 must be a whole number of bytes"),
+        ([], ["replay.max_split_size_mb=inf"], "replay.max_split_size_mb=inf must be a finite number"),
+        (None, [], "JSON nested too deeply"),
+    ],
+)
+def test_bad_traces_and_replay_settings_are_one_line(capsys, tmp_path, events, extra, message):
+    path = tmp_path / "t.json"
+    path.write_text("[" * 100_000 + "]" * 100_000 if events is None else json.dumps(events))
+    assert message in one_line_error(capsys, ["replay", f"trace={path}", *extra])
+
+
+CONFIG = os.path.join(
+    os.path.dirname(__file__), "..", "..", "docs", "examples", "Llama-3.2-1B", "config.json"
+)
+
+
+def test_hf_configs_that_are_not_files_or_not_configs_are_one_line(capsys, tmp_path):
+    assert "not a regular file" in one_line_error(capsys, ["estimate", "model.hf_config=/dev/zero"])
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert "not a regular file" in one_line_error(capsys, ["estimate", f"model.hf_config={fifo}"])
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    assert "nested too deeply" in one_line_error(capsys, ["estimate", f"model.hf_config={deep}"])
+    with open(CONFIG) as f:
+        cfg = json.load(f)
+    odd = tmp_path / "odd.json"
+    odd.write_text(json.dumps({**cfg, "layer_types": 5}))
+    assert "cannot model layer_types" in one_line_error(capsys, ["estimate", f"model.hf_config={odd}"])
+
+
+@pytest.mark.parametrize("folder", ["2024", "true"])
+def test_a_model_folder_named_like_a_number_or_a_bool_stays_a_name(capsys, tmp_path, folder):
+    (tmp_path / folder).mkdir()
+    with open(CONFIG) as f:
+        (tmp_path / folder / "config.json").write_text(f.read())
+    assert main(["estimate", f"model.hf_config={tmp_path / folder / 'config.json'}", "format=json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"] == folder
+
+
+def test_min_gpus_bisects_whole_nodes(monkeypatch):
+    # Issue 31: every node count was tried one by one (72 plans for Llama-3.1-405B). A layout fits from
+    # 100 devices on (nodes of 4): found in O(log) tries up to a million devices, and the answer exact.
+    import dataclasses
+
+    from conftest import spec
+
+    from harness.estimate import solve
+    from harness.estimate.plan import PlanOptions
+    from harness.spec import canonical
+
+    class Result:
+        def __init__(self, n):
+            self.fitting = ["row"] if n >= 100 else []
+
+    monkeypatch.setattr(solve, "plan", lambda base, opts: Result(opts.gpus))
+    base = canonical(spec("tiny", "h100_94gb"))
+    base = dataclasses.replace(base, device=dataclasses.replace(base.device, gpus_per_node=4))
+    found = solve.min_gpus(base, PlanOptions(gpus=1), max_gpus=2**20)
+    assert found.answer == 100 and len(found.tried) <= 15
+    assert solve.min_gpus(base, PlanOptions(gpus=1), max_gpus=96).answer is None
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
+    # Issue 29: Ctrl-C printed 63 lines. A run interrupted mid-point: its ranks are reaped (the
+    # supervisor's finally), one line, exit 130, no row.
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harness", "run", "model=small", "train.steps=200", f"results_dir={tmp_path}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(8)  # past the imports, into the point
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines() == [
+        "harness run: interrupted (Ctrl-C); nothing was written for the work in progress"
+    ]
+    assert not list(tmp_path.glob("*.parquet"))
