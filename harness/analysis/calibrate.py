@@ -14,6 +14,7 @@ No torch here; scikit-learn for the regression and the grouped folds.
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -306,9 +307,13 @@ def profile_of(ev: Evaluation, *, results_dir: str) -> dict[str, Any]:
 def save_profile(profile: dict[str, Any], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(profile, indent=1, sort_keys=False) + "\n")
-    tmp.replace(path)
+    # A name of its own: two calibrations saving at once raced on one fixed temporary name (issue 29).
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        tmp.write_text(json.dumps(profile, indent=1, sort_keys=False) + "\n")
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 

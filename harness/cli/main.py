@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 from harness import __version__
 from harness.cli.config import ConfigError, compose, engine_name, gpu_scale_defaults, run_spec
-from harness.cli.results import load_runs, report_command, results_command
+from harness.cli.results import load_runs, report_command, results_command, writable_target
 from harness.runner.procs import Terminated
 from harness.spec import InvalidSpec
 from harness.spec.validate import MAX_RANKS
@@ -336,6 +336,8 @@ def _calibrate(overrides: Sequence[str]) -> int:
     cfg = compose(overrides)
     fmt, _ = _output_settings(cfg)
     root = str(cfg["results_dir"])
+    target = str(cfg["calibrate"]["profile"] or f"{root}/calibration.json")
+    writable_target(target, "calibrate.profile", directory=False)
     frame = load_runs(root)
     group_by = str(cfg["calibrate"]["group_by"])
     ev = evaluate(frame, engine=engine_name(cfg), group_by=group_by)
@@ -343,7 +345,7 @@ def _calibrate(overrides: Sequence[str]) -> int:
     profile = profile_of(ev, results_dir=root)
     if st is not None:
         profile["step_time"] = step_time_section(st)
-    path = save_profile(profile, cfg["calibrate"]["profile"] or f"{root}/calibration.json")
+    path = save_profile(profile, target)
     if fmt == "json":
         out = {"estimators": ev.metrics, "fragmentation": ev.fragmentation, "profile": str(path)}
         if st is not None:
@@ -427,6 +429,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, InvalidSpec, ValueError) as exc:  # CalibrationError is a ValueError
         # Bad input is one line that says what is wrong, never a traceback.
         print(f"harness {command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a full, read-only or vanished disk: the file and the reason, in one line
+        where = f" {exc.filename}" if exc.filename else ""
+        print(
+            f"harness {command}: error: cannot write or read{where}: {exc.strerror or exc}", file=sys.stderr
+        )
         return 2
     except KeyboardInterrupt:  # Ctrl-C (issue 29: 63 lines of traceback); the ranks were reaped
         print(

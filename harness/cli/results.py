@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from harness.cli.config import compose, engine_name
 
@@ -41,15 +42,34 @@ def results_command(args: Sequence[str]) -> int:
     return 0
 
 
+def writable_target(path: str, key: str, *, directory: bool) -> Path:
+    """Where a command will write, checked before its work (issue 29: report.out= a file and
+    calibrate.profile= a directory or a path under a file ended in tracebacks after the fit): a
+    directory (``directory``) or a file, and nothing on the way a file."""
+    target = Path(path)
+    if directory and target.exists() and not target.is_dir():
+        raise ValueError(f"{key}={path} is a file; name a directory")
+    if not directory and target.is_dir():
+        raise ValueError(f"{key}={path} is a directory; name a file (e.g. {target / 'calibration.json'})")
+    for parent in target.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{key}={path} is under {parent}, which is a file")
+            break
+    return target
+
+
 def report_command(overrides: Sequence[str]) -> int:
     from harness.analysis.report import write_report
 
     cfg = compose(overrides)
     root = str(cfg["results_dir"])
+    out_dir = cfg["report"]["out"] or root
+    writable_target(str(out_dir), "report.out", directory=True)
     frame = load_runs(root)
     path = write_report(
         frame,
-        out_dir=cfg["report"]["out"] or root,
+        out_dir=out_dir,
         results_dir=root,
         engine=engine_name(cfg),
         group_by=str(cfg["calibrate"]["group_by"]),
@@ -69,6 +89,40 @@ def load_runs(root: str):
     frame, bad = load_results(root)
     for line in bad:
         print(f"unreadable: {line}", file=sys.stderr)
+    frame, unusable = usable_runs(frame)
+    for line in unusable:
+        print(f"unusable: {line}", file=sys.stderr)
     if frame.empty:
         raise ValueError(f"results_dir={root} holds no runs")
     return frame
+
+
+def usable_runs(frame):
+    """The rows ``calibrate`` and ``report`` can use, and one line naming each other row with its
+    reason (issue 29: one row with a null ``parallel_dp`` or an infinite peak ended both in a
+    traceback). A launched row must hold a canonical spec, as every writer stores it, and a finite
+    peak where it has one; ``invalid`` rows are kept as they are (they are counted, never fitted)."""
+    import math
+
+    from harness.spec import InvalidSpec, canonical, from_flat
+
+    keep, reasons = [], []
+    for i, row in zip(frame.index, frame.to_dict("records"), strict=True):
+        if row.get("status") == "invalid":
+            keep.append(i)
+            continue
+        why = None
+        try:
+            spec = from_flat(row)
+            if canonical(spec) != spec:
+                why = "its spec is not in canonical form (a field is missing or null)"
+        except (InvalidSpec, TypeError, ValueError) as exc:
+            why = f"its spec does not load ({exc})"
+        peak = row.get("peak_allocated_bytes")
+        if why is None and isinstance(peak, float) and not math.isnan(peak) and not math.isfinite(peak):
+            why = f"peak_allocated_bytes={peak}"
+        if why is None:
+            keep.append(i)
+        else:
+            reasons.append(f"{row.get('config_id')} (status {row.get('status')}): {why}; left out")
+    return frame.loc[keep], reasons

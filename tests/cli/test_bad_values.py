@@ -139,3 +139,76 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
         "harness run: interrupted (Ctrl-C); nothing was written for the work in progress"
     ]
     assert not list(tmp_path.glob("*.parquet"))
+
+
+STUDY = os.path.join(os.path.dirname(__file__), "..", "..", "results", "cpu_study")
+
+
+def test_where_calibrate_and_report_write_is_checked_before_the_work(capsys, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    err = one_line_error(capsys, ["calibrate", f"results_dir={STUDY}", f"calibrate.profile={tmp_path}"])
+    assert f"calibrate.profile={tmp_path} is a directory; name a file" in err
+    err = one_line_error(capsys, ["calibrate", f"results_dir={STUDY}", f"calibrate.profile={afile}/p.json"])
+    assert f"is under {afile}, which is a file" in err
+    err = one_line_error(capsys, ["report", f"results_dir={STUDY}", f"report.out={afile}"])
+    assert f"report.out={afile} is a file; name a directory" in err
+
+
+def test_a_disk_that_fails_under_a_command_is_one_line(capsys, monkeypatch, tmp_path):
+    # A full or read-only results_dir (ENOSPC, EROFS) under report: the file and the reason, exit 2.
+    import errno
+
+    import harness.analysis.report as report
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "report.md"))
+
+    monkeypatch.setattr(report, "write_report", full)
+    err = one_line_error(capsys, ["report", f"results_dir={STUDY}", f"report.out={tmp_path}"])
+    assert (
+        err
+        == f"harness report: error: cannot write or read {tmp_path / 'report.md'}: No space left on device"
+    )
+
+
+def test_calibrate_and_report_name_bad_rows_and_use_the_rest(tmp_path):
+    # One row with a null parallel_dp and one with an infinite peak ended calibrate and report in a
+    # traceback (issue 29); they are named on stderr and the other 458 runs are used.
+    import numpy as np
+    import pandas as pd
+    from conftest import harness_cli
+
+    frame = pd.read_parquet(os.path.join(STUDY, "dataset.parquet"))
+    ok = frame.index[frame["status"] == "ok"]
+    frame["parallel_dp"] = frame["parallel_dp"].astype("float")
+    frame.loc[ok[0], "parallel_dp"] = np.nan
+    frame.loc[ok[1], "peak_allocated_bytes"] = np.inf
+    frame.to_parquet(tmp_path / "dataset.parquet")
+    r = harness_cli("calibrate", f"results_dir={tmp_path}")
+    assert r.returncode == 0, r.stderr
+    named = [ln for ln in r.stderr.splitlines() if ln.startswith("unusable: ")]
+    assert len(named) == 2 and "not in canonical form" in named[0] and "peak_allocated_bytes=inf" in named[1]
+    assert r.stdout.startswith("458 runs (ok or oom)")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("constant_s", -1e30, "step_time.constant_s=-1e+30 must be a finite number of seconds >= 0"),
+        ("constant_s", "fast", "step_time.constant_s='fast' must be a finite number"),
+        ("device", None, "step_time.device=None must be a device preset's name"),
+        ("cpu_cores", 0, "step_time.cpu_cores=0 must be a whole number >= 1"),
+        ("precisions", "bf16", "step_time.precisions='bf16' must be a list of names"),
+        ("coefficients", [1], "step_time.coefficients must be an object"),
+    ],
+)
+def test_a_profile_step_time_section_is_validated(capsys, tmp_path, field, value, message):
+    with open(os.path.join(STUDY, "..", "cpu_study_v2", "calibration.json")) as f:
+        profile = json.load(f)
+    assert "step_time" in profile
+    profile["step_time"][field] = value
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile))
+    err = one_line_error(capsys, ["plan", f"calibration={path}", "plan.gpus=2", "train.precision=fp32"])
+    assert message in err
