@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import signal
@@ -10,54 +9,12 @@ import sys
 from collections.abc import Callable, Sequence
 
 from harness import __version__
-from harness.cli.config import ConfigError, compose, engine_name, gpu_scale_defaults, run_spec
+from harness.cli.config import ConfigError, compose, engine_name, run_spec
+from harness.cli.plan import plan_command
 from harness.cli.results import load_runs, report_command, results_command, writable_target
+from harness.cli.shared import compose_scaled, output_settings, profile_of_config, stack_of_config
 from harness.runner.procs import Terminated
 from harness.spec import InvalidSpec
-from harness.spec.validate import MAX_RANKS
-
-
-def _output_settings(cfg: dict) -> tuple[str, float]:
-    """``format`` and ``threshold``, checked; ``threshold=profile`` is the calibration profile's
-    learned safe threshold."""
-    fmt = cfg["format"]
-    if fmt not in ("table", "json"):
-        raise ValueError(f"format={fmt!r} must be table or json")
-    if cfg["threshold"] == "profile":
-        profile = _profile(cfg)
-        if profile is None:
-            raise ValueError("threshold=profile needs calibration=PATH (the profile whose threshold to use)")
-        if profile.safe_threshold is None:
-            raise ValueError(
-                f"threshold=profile: {profile.path} learned no safe threshold (no run of its fit ran out "
-                "of memory); give threshold=<ratio>"
-            )
-        device = str((cfg.get("device") or {}).get("name"))
-        kinds = profile.fitted_on.get("device_kinds") or []
-        if kinds and device not in kinds:
-            # A threshold learned on one kind of device says nothing of another's margin (issue 31).
-            raise ValueError(
-                f"threshold=profile: {profile.path} learned its threshold on {', '.join(kinds)}, not on "
-                f"{device}; give threshold=<ratio> (e.g. 0.8)"
-            )
-        if profile.safe_threshold > 1:
-            # Never a verdict above the card: a learned threshold over 100 % is the card's capacity.
-            _warn_once(
-                f"note: {profile.path}'s safe threshold {profile.safe_threshold:.1%} is above the card's "
-                "capacity; judged against 100%"
-            )
-        return fmt, min(1.0, profile.safe_threshold)
-    try:
-        threshold = float(cfg["threshold"])
-    except (TypeError, ValueError):
-        raise ValueError(f"threshold={cfg['threshold']!r} must be a ratio in (0, 1], e.g. 0.8") from None
-    if not 0 < threshold <= 1:
-        hint = f"; did you mean {threshold / 100:g}?" if 1 < threshold <= 100 else ""
-        raise ValueError(
-            f"threshold={cfg['threshold']} must be a ratio of the device's memory in (0, 1] "
-            f"(0.8 = 80 %){hint}"
-        )
-    return fmt, threshold
 
 
 def _estimate(overrides: Sequence[str]) -> int:
@@ -65,12 +22,12 @@ def _estimate(overrides: Sequence[str]) -> int:
     from harness.cli.render.estimate import estimate_table
     from harness.estimate import estimate
 
-    cfg = _compose_scaled(overrides)
-    fmt, threshold = _output_settings(cfg)
+    cfg = compose_scaled(overrides)
+    fmt, threshold = output_settings(cfg)
     est = estimate(run_spec(cfg), engine=engine_name(cfg))
-    profile = _profile(cfg)
+    profile = profile_of_config(cfg)
     calibrated = profile.total_bytes(est) if profile else None
-    stack = _stack(cfg)
+    stack = stack_of_config(cfg)
     if fmt == "json":
         record = est.as_record(threshold=threshold)
         record["stack"] = stack.as_record()
@@ -100,170 +57,17 @@ def _estimate(overrides: Sequence[str]) -> int:
     return 0
 
 
-def _stack(cfg: dict):
-    """The stack a composed config assumed (harness.spec.stacks), for the output's stack line / field."""
-    from harness.spec import apply_stack
-
-    return apply_stack(cfg)[1]
-
-
-def _compose_scaled(overrides: Sequence[str]) -> dict:
-    """The config of ``estimate``, ``plan`` and ``run`` (and ``sweep`` without a study): the published
-    study's device and training shape for a GPU-scale model unless named, said in one line on stderr
-    once the config composes, so that the same overrides are the same configuration in every command."""
-    overrides, note = gpu_scale_defaults(overrides)
-    cfg = compose(overrides)
-    if note:
-        print(note, file=sys.stderr)
-    return cfg
-
-
-def _profile(cfg: dict):
-    """The calibration profile named by ``calibration=`` (None when unset)."""
-    if not cfg.get("calibration"):
-        return None
-    from harness.analysis.profile import load_profile  # no scikit-learn: applying a profile is arithmetic
-
-    profile = load_profile(cfg["calibration"])
-    warning = profile.outside(run_spec(cfg))
-    if warning:
-        _warn_once(f"harness: warning: {warning}")
-    return profile
-
-
-@functools.cache
-def _warn_once(line: str) -> None:
-    """(threshold=profile loads the profile a second time: one warning still)"""
-    print(line, file=sys.stderr)
-
-
-def _step_time(cfg: dict):
-    """The step-time model of the profile named by ``calibration=`` (None when unset or it has none)."""
-    if not cfg.get("calibration"):
-        return None
-    from harness.analysis.steptime import load_step_time
-
-    return load_step_time(cfg["calibration"])
-
-
-def _plan(overrides: Sequence[str]) -> int:
-    from harness.cli.render.common import with_stack
-    from harness.cli.render.plan import plan_json, plan_table
-    from harness.estimate.plan import PlanOptions, plan
-
-    cfg = _compose_scaled(overrides)
-    fmt, threshold = _output_settings(cfg)
-    p = cfg["plan"]
-    opts = PlanOptions(
-        gpus=_whole(p["gpus"], "plan.gpus", MAX_RANKS),
-        global_batch_size=p["global_batch_size"],
-        micro_batch_sizes=tuple(p["micro_batch_sizes"]),
-        zero_stages=tuple(p["zero_stages"]),
-        recompute=tuple(p["recompute"]),
-        pp_schedules=tuple(p["pp_schedules"]),
-        virtual_stages=tuple(p["virtual_stages"]),
-        max_tp=_whole(p["max_tp"], "plan.max_tp", MAX_RANKS),
-        threshold=threshold,
-        engine=engine_name(cfg),
-        calibration=_profile(cfg),
-        step_time=_step_time(cfg),
-    )
-    _whole(p["top"], "plan.top", 10**9)  # rows printed
-    if p.get("emit"):  # a path Hydra could not find as a study fails before the work, not after
-        from harness.cli.config import config_dir
-        from harness.cli.emit import study_target
-
-        study_target(p["emit"], config_dir())
-    if p.get("solve") is not None:
-        return _plan_solve(cfg, opts, fmt)
-    result = plan(run_spec(cfg), opts)
-    if fmt == "json":
-        print(json.dumps({"stack": _stack(cfg).as_record(), **plan_json(result, opts)}, indent=2))
-    else:
-        print(
-            with_stack(
-                plan_table(result, opts, top=int(p["top"]), explain=bool(cfg.get("explain"))), _stack(cfg)
-            )
-        )
-    _emit(cfg, [r.estimate.spec for r in result.fitting[: int(p["top"])]], fmt, opts)
-    return 0
-
-
-def _whole(value, key: str, most: int) -> int:
-    """A count given on the command line: a whole number from 1 to ``most`` (issue 29: plan.gpus=1.5
-    was silently 1, plan.max_gpus=10**12 ran out of memory)."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or value != value
-        or value != int(value)
-    ):
-        raise ValueError(f"{key}={value!r} must be a whole number")
-    if not 1 <= value <= most:
-        raise ValueError(f"{key}={value!r} must be from 1 to {most:,}")
-    return int(value)
-
-
-def _plan_solve(cfg: dict, opts, fmt: str) -> int:
-    """``plan.solve=min_gpus|max_micro_batch|max_seq_len``: a reverse question (harness.estimate.solve)."""
-    from harness.cli.render.plan import solve_json, solve_table
-    from harness.estimate import solve as sv
-
-    p, question, base = cfg["plan"], cfg["plan"]["solve"], run_spec(cfg)
-    if question == "min_gpus":
-        solution = sv.min_gpus(base, opts, max_gpus=_whole(p["max_gpus"], "plan.max_gpus", MAX_RANKS))
-    elif question == "max_micro_batch":
-        solution = sv.max_micro_batch(base, opts)
-    elif question == "max_seq_len":
-        solution = sv.max_seq_len(base, opts)
-    else:
-        raise ValueError(f"plan.solve={question!r} must be null or one of {', '.join(sv.QUESTIONS)}")
-    top = int(p["top"])
-    if fmt == "json":
-        print(json.dumps({"stack": _stack(cfg).as_record(), **solve_json(solution, opts)}, indent=2))
-    else:
-        from harness.cli.render.common import with_stack
-
-        print(with_stack(solve_table(solution, opts, top=top, explain=bool(cfg.get("explain"))), _stack(cfg)))
-    if solution.plan is not None:
-        specs = [r.estimate.spec for r in solution.plan.fitting[:top]]
-    else:
-        specs = [] if solution.best is None else [solution.best.estimate.spec]
-    _emit(cfg, specs, fmt, opts)
-    return 0
-
-
-def _emit(cfg: dict, specs: list, fmt: str, opts) -> None:
-    """``plan.emit=DIR/study/NAME.yaml``: the layouts as a study for ``harness sweep``, and the command."""
-    path = cfg["plan"].get("emit")
-    if not path:
-        return
-    from harness.cli.config import config_dir
-    from harness.cli.emit import write_study
-
-    how = ""
-    if specs:
-        first = specs[0]
-        how = (
-            f"{first.model.name} on {first.parallel.world} × {first.device.name}, engine {opts.engine}, "
-            f"threshold {opts.threshold:g}"
-        )
-    target, command = write_study(path, specs, how=how, config_dir=config_dir())
-    out = sys.stderr if fmt == "json" else sys.stdout
-    print(f"study: {target} ({len(specs)} layouts); measure them: {command}", file=out)
-
-
 def _run(overrides: Sequence[str]) -> int:
     from harness.cli.render.run import record_json, record_table
     from harness.runner.fake.run import run_configured
     from harness.spec import spec_id
     from harness.sweep.launch import run_artifacts, run_timeout, slurm_task
 
-    cfg = _compose_scaled(overrides)  # the same configuration as estimate and plan of these overrides
+    cfg = compose_scaled(overrides)  # the same configuration as estimate and plan of these overrides
     from harness.spec.stacks import require_runnable
 
     require_runnable(cfg, "run")
-    fmt, threshold = _output_settings(cfg)
+    fmt, threshold = output_settings(cfg)
     fail_on = fail_statuses(cfg["run"].get("fail_on"))
     run_timeout(cfg)  # run.timeout_s checked here (inf, <= 0: one line, exit 2); run_configured reads it
     # Unknown or missing keys are a usage error (one line, exit 2); an impossible layout is a record.
@@ -275,7 +79,7 @@ def _run(overrides: Sequence[str]) -> int:
     record = run_configured(spec, cfg["run"], task=task, artifacts=run_artifacts(cfg))  # real or fake
     if record is None:
         return 0
-    stack = _stack(cfg)
+    stack = stack_of_config(cfg)
     if fmt == "json":
         print(record_json({**record, "stack": stack.as_record()}))
     else:
@@ -334,7 +138,7 @@ def _calibrate(overrides: Sequence[str]) -> int:
     from harness.cli.render.calibrate import calibration_table, step_time_table
 
     cfg = compose(overrides)
-    fmt, _ = _output_settings(cfg)
+    fmt, _ = output_settings(cfg)
     root = str(cfg["results_dir"])
     target = str(cfg["calibrate"]["profile"] or f"{root}/calibration.json")
     writable_target(target, "calibrate.profile", directory=False)
@@ -374,7 +178,7 @@ def _help(command: str, args: Sequence[str]) -> int:
     overrides = [a for a in args if a not in ("-h", "--help", "--cfg", "job", "all")]
     try:
         if command in ("estimate", "plan"):
-            cfg = _compose_scaled(overrides)
+            cfg = compose_scaled(overrides)
         else:
             cfg = compose(overrides) if command != "results" else None
     except ConfigError as exc:
@@ -391,7 +195,7 @@ def _help(command: str, args: Sequence[str]) -> int:
 
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "estimate": _estimate,
-    "plan": _plan,
+    "plan": plan_command,
     "run": _run,
     "sweep": _sweep,
     "results": results_command,

@@ -49,6 +49,11 @@ class PlanOptions:
     # A fitted step-time model (harness.estimate.steptime.StepTimeModel, a calibration profile's
     # "step_time"): when set and fitted on this device, layouts that fit are ranked by its step time.
     step_time: Any = None
+    # Axes the user fixed on the command line (issue 31: parallel.tp=8 given to plan was silently
+    # ignored): ("tp", 8), ("pp", 4), ... over dp, tp, pp, cp; the other fixed keys (ZeRO stage,
+    # schedule, micro-batch, recomputation) narrow the lists above instead.
+    fixed: tuple[tuple[str, int], ...] = ()
+    given: tuple[str, ...] = ()  # the overrides that fixed axes or narrowed lists, as the user wrote them
 
     def __post_init__(self) -> None:
         bad = []
@@ -132,10 +137,20 @@ def candidate_groups(base: RunSpec, opts: PlanOptions) -> Iterator[list[RunSpec]
     decide whether a layout is possible, so ``plan`` validates each group once."""
     gbs = opts.global_batch_size or opts.gpus
     t = base.train
+    fixed = dict(opts.fixed)
+    policy = base.parallel.fsdp_reshard_after_forward
+
+    def free(axis: str, value: int) -> bool:
+        return fixed.get(axis, value) == value
+
     for tp in _divisors(opts.gpus):
         if tp > opts.max_tp:
             break
+        if not free("tp", tp):
+            continue
         for pp in _divisors(opts.gpus // tp):
+            if not free("pp", pp):
+                continue
             schedules = (
                 [("1f1b", 1)]
                 if pp == 1
@@ -147,18 +162,35 @@ def candidate_groups(base: RunSpec, opts: PlanOptions) -> Iterator[list[RunSpec]
             )
             for cp in _divisors(opts.gpus // (tp * pp)):
                 dp = opts.gpus // (tp * pp * cp)
+                if not (free("cp", cp) and free("dp", dp)):
+                    continue
+                # ZeRO shards over dp·cp: over one rank every stage is the same run (the runner applies
+                # no data parallelism), listed once (issue 31: four rows of one layout); ZeRO-3 that
+                # the stack's reshard policy keeps gathered is ZeRO-2 (harness.spec.canonical_form).
+                zeros = []
+                for zero in opts.zero_stages if dp * cp > 1 else opts.zero_stages[:1]:
+                    z, reshard = zero, "always"
+                    if zero == 3 and (policy == "never" or (policy == "default" and pp > 1)):
+                        z = 2
+                    elif zero == 3 and policy == "default":
+                        reshard = "default"
+                    if all(z != seen for seen, _ in zeros):
+                        zeros.append((z, reshard))
                 for mbs in opts.micro_batch_sizes:
                     if gbs % (dp * mbs):
                         continue
+                    m = gbs // (dp * mbs)
+                    # canonical: nothing to choose with one micro-batch, one data-parallel rank or a pipeline
+                    sync = t.grad_sync if (m > 1 and dp * cp > 1 and pp == 1) else "last"
                     trains = [
                         dataclasses.replace(
-                            t, micro_batch_size=mbs, num_microbatches=gbs // (dp * mbs), recompute=rc
+                            t, micro_batch_size=mbs, num_microbatches=m, recompute=rc, grad_sync=sync
                         )
                         for rc in opts.recompute
                     ]
                     for schedule, v in schedules:
                         group = []
-                        for zero in opts.zero_stages:
+                        for zero, reshard in zeros:
                             # Built field by field (dataclasses.replace costs ~10 µs a call, and this
                             # loop runs tens of thousands of times for a 1,024-GPU plan).
                             par = ParallelSpec(
@@ -172,6 +204,7 @@ def candidate_groups(base: RunSpec, opts: PlanOptions) -> Iterator[list[RunSpec]
                                 virtual_stages=v,
                                 cp_load_balance=cp > 1,
                                 world_size=opts.gpus,
+                                fsdp_reshard_after_forward=reshard,
                             )
                             group += [RunSpec(base.model, par, train, base.device) for train in trains]
                         yield group

@@ -93,3 +93,60 @@ def test_interleaved_middle_ranks_can_be_the_most_loaded_and_plan_computes_them(
     assert dominant_stages(s.parallel, s.train) == tuple(range(8))
     few = estimate_canonical(s, stages=dominant_stages(s.parallel, s.train))
     assert few.total_bytes == every.total_bytes
+
+
+def test_candidates_carry_the_stack_choices_in_canonical_form():
+    # torchtitan's reshard policy: ZeRO-3 under pipelining is ZeRO-2 (listed once), ZeRO-3 over several
+    # ranks without a pipeline keeps its "default" (the head unit); grad_sync every_microbatch only where
+    # it is a choice. Every candidate equals its canonical form (one config_id per run).
+    import dataclasses
+
+    base = spec("tiny", "h100_80gb", train_grad_sync="every_microbatch")
+    base = dataclasses.replace(
+        base, parallel=dataclasses.replace(base.parallel, fsdp_reshard_after_forward="default")
+    )
+    opts = PlanOptions(gpus=8, micro_batch_sizes=(1,), recompute=("none",), global_batch_size=16)
+    seen = list(candidates(base, opts))
+    for s in seen:
+        if not problems(s):
+            assert canonical_form(s) == s
+    assert not [s for s in seen if s.parallel.pp > 1 and s.parallel.zero_stage == 3]
+    zero3 = [s for s in seen if s.parallel.zero_stage == 3]
+    assert zero3 and all(s.parallel.fsdp_reshard_after_forward == "default" for s in zero3)
+    keys = [(s.parallel, s.train) for s in seen]
+    assert len(keys) == len(set(keys))  # no run listed twice
+
+
+def test_zero_stages_over_one_rank_are_one_layout():
+    # Issue 31: ZeRO 0-3 at dp·cp = 1 were four rows of one run.
+    opts = PlanOptions(gpus=2, micro_batch_sizes=(1,), recompute=("none",), pp_schedules=("1f1b",))
+    tp2 = [s for s in candidates(spec("tiny"), opts) if s.parallel.tp == 2]
+    assert [s.parallel.zero_stage for s in tp2] == [0]
+    dp2 = [s for s in candidates(spec("tiny"), opts) if s.parallel.dp == 2]
+    assert sorted(s.parallel.zero_stage for s in dp2) == [0, 1, 2, 3]
+
+
+def test_given_axes_constrain_the_plan():
+    # Issue 31: parallel.tp=8 parallel.pp=4 given to plan were silently ignored.
+    import json
+
+    from conftest import harness_cli
+
+    r = harness_cli(
+        "plan",
+        "model=llama3_70b",
+        "device=h100_80gb",
+        "plan.gpus=32",
+        "parallel.tp=8",
+        "parallel.pp=4",
+        "parallel.zero_stage=1",
+        "format=json",
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["given"] == ["parallel.tp=8", "parallel.pp=4", "parallel.zero_stage=1"]
+    assert out["layouts"] and all(
+        (x["parallel_tp"], x["parallel_pp"], x["parallel_zero_stage"]) == (8, 4, 1) for x in out["layouts"]
+    )
+    table = harness_cli("plan", "model=llama3_70b", "device=h100_80gb", "plan.gpus=32", "parallel.tp=8")
+    assert "given: parallel.tp=8: only layouts with these are considered" in table.stdout

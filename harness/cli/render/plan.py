@@ -55,6 +55,7 @@ def plan_json(result: PlanResult, opts: PlanOptions) -> dict[str, Any]:
         "gpus": opts.gpus,
         "engine": opts.engine,
         "threshold": opts.threshold,
+        "given": list(opts.given),
         "considered": result.considered,
         "invalid": result.invalid,
         "valid": len(result.rows),
@@ -74,6 +75,8 @@ def plan_table(result: PlanResult, opts: PlanOptions, *, top: int, explain: bool
             f"seq {t.seq_len}, "
             f"global batch {first.global_batch_size}, {t.precision}"
         )
+    if opts.given:
+        lines.append(f"given: {' '.join(opts.given)}: only layouts with these are considered")
     lines.append(
         f"{result.considered} layouts considered, {result.invalid} impossible, {len(result.rows)} valid, "
         f"{len(result.fitting)} fit under {opts.threshold:.0%} of device memory"

@@ -1,0 +1,167 @@
+"""`harness plan`: every layout that fits, ranked; the reverse questions (plan.solve=); plan.emit=."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+
+from harness.cli.config import engine_name, run_spec
+from harness.cli.shared import (
+    compose_scaled,
+    output_settings,
+    profile_of_config,
+    stack_of_config,
+    step_time_of_config,
+)
+from harness.spec.validate import MAX_RANKS
+
+
+def plan_command(overrides: Sequence[str]) -> int:
+    from harness.cli.render.common import with_stack
+    from harness.cli.render.plan import plan_json, plan_table
+    from harness.estimate.plan import PlanOptions, plan
+
+    cfg = compose_scaled(overrides)
+    fmt, threshold = output_settings(cfg)
+    p = cfg["plan"]
+    narrowed, fixed, given = _plan_constraints(cfg, overrides)
+    opts = PlanOptions(
+        gpus=_whole(p["gpus"], "plan.gpus", MAX_RANKS),
+        global_batch_size=p["global_batch_size"],
+        micro_batch_sizes=tuple(p["micro_batch_sizes"]),
+        zero_stages=tuple(p["zero_stages"]),
+        recompute=tuple(p["recompute"]),
+        pp_schedules=tuple(p["pp_schedules"]),
+        virtual_stages=tuple(p["virtual_stages"]),
+        max_tp=_whole(p["max_tp"], "plan.max_tp", MAX_RANKS),
+        threshold=threshold,
+        engine=engine_name(cfg),
+        calibration=profile_of_config(cfg),
+        step_time=step_time_of_config(cfg),
+        fixed=fixed,
+        given=given,
+    )
+    if narrowed and p.get("solve") is None:
+        opts = dataclasses.replace(opts, **narrowed)
+    _whole(p["top"], "plan.top", 10**9)  # rows printed
+    if p.get("emit"):  # a path Hydra could not find as a study fails before the work, not after
+        from harness.cli.config import config_dir
+        from harness.cli.emit import study_target
+
+        study_target(p["emit"], config_dir())
+    if p.get("solve") is not None:
+        return _plan_solve(cfg, opts, fmt)
+    result = plan(run_spec(cfg), opts)
+    if fmt == "json":
+        print(json.dumps({"stack": stack_of_config(cfg).as_record(), **plan_json(result, opts)}, indent=2))
+    else:
+        print(
+            with_stack(
+                plan_table(result, opts, top=int(p["top"]), explain=bool(cfg.get("explain"))),
+                stack_of_config(cfg),
+            )
+        )
+    _emit(cfg, [r.estimate.spec for r in result.fitting[: int(p["top"])]], fmt, opts)
+    return 0
+
+
+# What `plan` takes from the command line as a constraint (issue 31: parallel.tp=8 parallel.pp=4 were
+# silently ignored): the degrees fix an axis; the others narrow plan's own list to the given value.
+PLAN_AXES = ("parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp")
+PLAN_NARROWS = {
+    "parallel.zero_stage": "zero_stages",
+    "parallel.pp_schedule": "pp_schedules",
+    "parallel.virtual_stages": "virtual_stages",
+    "train.micro_batch_size": "micro_batch_sizes",
+    "train.recompute": "recompute",
+}
+
+
+def _plan_constraints(cfg: dict, overrides: Sequence[str]) -> tuple[dict, tuple, tuple[str, ...]]:
+    """The PlanOptions lists narrowed, the axes fixed and the overrides that did it, from the keys of
+    PLAN_AXES and PLAN_NARROWS given on the command line (their values as composed)."""
+    named = {o.partition("=")[0].lstrip("+~") for o in overrides if "=" in o}
+    narrowed, fixed, given = {}, [], []
+    for key in (*PLAN_AXES, *PLAN_NARROWS):
+        if key not in named:
+            continue
+        section, field = key.split(".")
+        value = cfg[section][field]
+        if value is None:
+            continue
+        given.append(f"{key}={value}")
+        if key in PLAN_AXES:
+            fixed.append((field, _whole(value, key, MAX_RANKS)))
+        else:
+            narrowed[PLAN_NARROWS[key]] = (value,)
+    return narrowed, tuple(fixed), tuple(given)
+
+
+def _whole(value, key: str, most: int) -> int:
+    """A count given on the command line: a whole number from 1 to ``most`` (issue 29: plan.gpus=1.5
+    was silently 1, plan.max_gpus=10**12 ran out of memory)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or value != value
+        or value != int(value)
+    ):
+        raise ValueError(f"{key}={value!r} must be a whole number")
+    if not 1 <= value <= most:
+        raise ValueError(f"{key}={value!r} must be from 1 to {most:,}")
+    return int(value)
+
+
+def _plan_solve(cfg: dict, opts, fmt: str) -> int:
+    """``plan.solve=min_gpus|max_micro_batch|max_seq_len``: a reverse question (harness.estimate.solve)."""
+    from harness.cli.render.plan import solve_json, solve_table
+    from harness.estimate import solve as sv
+
+    p, question, base = cfg["plan"], cfg["plan"]["solve"], run_spec(cfg)
+    if question == "min_gpus":
+        solution = sv.min_gpus(base, opts, max_gpus=_whole(p["max_gpus"], "plan.max_gpus", MAX_RANKS))
+    elif question == "max_micro_batch":
+        solution = sv.max_micro_batch(base, opts)
+    elif question == "max_seq_len":
+        solution = sv.max_seq_len(base, opts)
+    else:
+        raise ValueError(f"plan.solve={question!r} must be null or one of {', '.join(sv.QUESTIONS)}")
+    top = int(p["top"])
+    if fmt == "json":
+        print(json.dumps({"stack": stack_of_config(cfg).as_record(), **solve_json(solution, opts)}, indent=2))
+    else:
+        from harness.cli.render.common import with_stack
+
+        print(
+            with_stack(
+                solve_table(solution, opts, top=top, explain=bool(cfg.get("explain"))), stack_of_config(cfg)
+            )
+        )
+    if solution.plan is not None:
+        specs = [r.estimate.spec for r in solution.plan.fitting[:top]]
+    else:
+        specs = [] if solution.best is None else [solution.best.estimate.spec]
+    _emit(cfg, specs, fmt, opts)
+    return 0
+
+
+def _emit(cfg: dict, specs: list, fmt: str, opts) -> None:
+    """``plan.emit=DIR/study/NAME.yaml``: the layouts as a study for ``harness sweep``, and the command."""
+    path = cfg["plan"].get("emit")
+    if not path:
+        return
+    from harness.cli.config import config_dir
+    from harness.cli.emit import write_study
+
+    how = ""
+    if specs:
+        first = specs[0]
+        how = (
+            f"{first.model.name} on {first.parallel.world} × {first.device.name}, engine {opts.engine}, "
+            f"threshold {opts.threshold:g}"
+        )
+    target, command = write_study(path, specs, how=how, config_dir=config_dir())
+    out = sys.stderr if fmt == "json" else sys.stdout
+    print(f"study: {target} ({len(specs)} layouts); measure them: {command}", file=out)
