@@ -46,6 +46,9 @@ def plan_command(overrides: Sequence[str]) -> int:
     if narrowed and p.get("solve") is None:
         opts = dataclasses.replace(opts, **narrowed)
     _whole(p["top"], "plan.top", 10**9)  # rows printed
+    verify = p.get("verify") or 0
+    if verify:
+        _whole(verify, "plan.verify", 64)
     if p.get("emit"):  # a path Hydra could not find as a study fails before the work, not after
         from harness.cli.config import config_dir
         from harness.cli.emit import study_target
@@ -54,8 +57,12 @@ def plan_command(overrides: Sequence[str]) -> int:
     if p.get("solve") is not None:
         return _plan_solve(cfg, opts, fmt)
     result = plan(run_spec(cfg), opts)
+    verified = _verify(result, int(verify), cfg) if verify else None
     if fmt == "json":
-        print(json.dumps({"stack": stack_of_config(cfg).as_record(), **plan_json(result, opts)}, indent=2))
+        out = {"stack": stack_of_config(cfg).as_record(), **plan_json(result, opts)}
+        if verified is not None:
+            out["verified"] = [_verified_fields(rank, row, rec) for rank, row, rec in verified]
+        print(json.dumps(out, indent=2))
     else:
         print(
             with_stack(
@@ -63,6 +70,8 @@ def plan_command(overrides: Sequence[str]) -> int:
                 stack_of_config(cfg),
             )
         )
+        if verified is not None:
+            print("\n" + _verified_table(verified))
     _emit(cfg, [r.estimate.spec for r in result.fitting[: int(p["top"])]], fmt, opts)
     return 0
 
@@ -165,3 +174,79 @@ def _emit(cfg: dict, specs: list, fmt: str, opts) -> None:
     target, command = write_study(path, specs, how=how, config_dir=config_dir())
     out = sys.stderr if fmt == "json" else sys.stdout
     print(f"study: {target} ({len(specs)} layouts); measure them: {command}", file=out)
+
+
+# What the card does with a trace, best first (harness.alloc.CAPACITY_VERDICTS); no verdict (a trace
+# that failed) last.
+_CARD_ORDER = ("fits", "fits_after_flush", "oom_fragmentation", "oom_allocated", None)
+
+
+def _verify(result, n: int, cfg: dict) -> list[tuple[int, object, dict]]:
+    """``plan.verify=N`` (issue 32): the top N fitting layouts traced in fake mode, each rank's trace
+    replayed against the card's capacity; ranked by what the card does with them, then by the plan's
+    rank. Progress on stderr, one line a layout."""
+    import time
+
+    from harness.cli.render.common import layout_line
+    from harness.runner.fake.run import run_fake
+    from harness.sweep.launch import run_timeout
+
+    rows = result.fitting[:n]
+    out = []
+    for rank, row in enumerate(rows, 1):
+        spec = row.estimate.spec
+        print(f"plan.verify {rank}/{len(rows)}: tracing {layout_line(spec)} ...", file=sys.stderr, flush=True)
+        start = time.monotonic()
+        rec = run_fake(spec, timeout_s=run_timeout(cfg), cache=cfg["run"].get("fake_cache"))
+        verdict = rec.get("sim_capacity_verdict") or rec["status"]
+        print(f"  {verdict} ({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
+        out.append((rank, row, rec))
+    return sorted(out, key=lambda x: (_CARD_ORDER.index(x[2].get("sim_capacity_verdict")), x[0]))
+
+
+def _verified_fields(rank: int, row, rec: dict) -> dict:
+    est = row.estimate
+    return {
+        "plan_rank": rank,
+        "config_id": rec.get("config_id"),
+        "status": rec.get("status"),
+        "est_total_bytes": est.total_bytes,
+        "est_device_total_bytes": row.predicted_bytes,
+        "traced_allocated_bytes": rec.get("peak_allocated_bytes"),
+        "replayed_reserved_bytes": rec.get("sim_peak_reserved_bytes"),
+        "capacity_bytes": rec.get("sim_capacity_bytes"),
+        "capacity_verdict": rec.get("sim_capacity_verdict"),
+        "num_alloc_retries": rec.get("sim_num_alloc_retries"),
+        "error": rec.get("error"),
+    }
+
+
+def _verified_table(verified) -> str:
+    from harness.cli.render.common import human
+
+    def card(rec: dict) -> str:
+        v, n = rec.get("sim_capacity_verdict"), rec.get("sim_num_alloc_retries") or 0
+        words = {"fits_after_flush": f"fits after {n} flush(es)", "oom_fragmentation": "OOM (fragmentation)"}
+        return words.get(v, {"oom_allocated": "OOM"}.get(v, v or rec.get("status", "?")))
+
+    lines = [
+        "verified (plan.verify): each layout traced (run.mode=fake), its trace replayed against the card;",
+        "ranked by what the card does with it, then by the plan's rank",
+        f"  {'#':>2} {'plan':>5}  {'dp':>3} {'tp':>3} {'pp':>3} {'cp':>3} {'zero':>4} {'mbs':>4} "
+        f"{'recomp':>9}  {'est alloc':>11} {'est device':>11}  {'traced':>11} {'replayed':>11}  on the card",
+    ]
+    for i, (rank, row, rec) in enumerate(verified, 1):
+        s = row.estimate.spec
+        p, t = s.parallel, s.train
+        traced, replayed = rec.get("peak_allocated_bytes"), rec.get("sim_peak_reserved_bytes")
+        lines.append(
+            f"  {i:>2} {rank:>5}  {p.dp:>3} {p.tp:>3} {p.pp:>3} {p.cp:>3} {p.zero_stage:>4} "
+            f"{t.micro_batch_size:>4} {t.recompute:>9}  {human(row.estimate.total_bytes):>11} "
+            f"{human(row.predicted_bytes):>11}  {human(traced) if traced is not None else '-':>11} "
+            f"{human(replayed) if replayed is not None else '-':>11}  {card(rec)}"
+        )
+    lines.append(
+        "est device: the plan's verdict level (reserved + CUDA context and NCCL); traced: the allocated peak "
+        "of the worst traced rank; replayed: its trace through the caching-allocator model, unbounded"
+    )
+    return "\n".join(lines)

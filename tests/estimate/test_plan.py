@@ -150,3 +150,44 @@ def test_given_axes_constrain_the_plan():
     )
     table = harness_cli("plan", "model=llama3_70b", "device=h100_80gb", "plan.gpus=32", "parallel.tp=8")
     assert "given: parallel.tp=8: only layouts with these are considered" in table.stdout
+
+
+def test_plan_verify_traces_the_top_layouts_against_the_card(tmp_path):
+    # Issue 32 item 6: plan.verify=N traces the top N fitting layouts in fake mode, replays each trace
+    # against the card and prints the estimate's and the trace's figures side by side; progress on stderr.
+    import json
+
+    from conftest import harness_cli
+
+    r = harness_cli(
+        "plan",
+        "model=tiny",
+        "device=h100_80gb",
+        "plan.gpus=2",
+        "plan.verify=2",
+        "format=json",
+        f"run.fake_cache={tmp_path}",
+    )
+    assert r.returncode == 0, r.stderr
+    verified = json.loads(r.stdout)["verified"]
+    assert [v["plan_rank"] for v in verified] == [1, 2]  # both fit: the plan's order
+    for v in verified:
+        assert v["status"] == "ok" and v["capacity_verdict"] == "fits" and v["num_alloc_retries"] == 0
+        assert v["traced_allocated_bytes"] == pytest.approx(v["est_total_bytes"], rel=0.05)
+        assert v["replayed_reserved_bytes"] >= v["traced_allocated_bytes"]
+    assert "plan.verify 1/2: tracing" in r.stderr and "plan.verify 2/2: tracing" in r.stderr
+
+
+def test_plan_verify_ranks_by_what_the_card_does(monkeypatch):
+    from harness.cli import plan as plan_cli
+    from harness.runner.fake import run as fake_run
+
+    result = plan(spec("tiny", "h100_80gb"), PlanOptions(gpus=2))
+    verdicts = iter(["oom_fragmentation", "fits_after_flush", "fits"])
+
+    def fake(spec_, **kwargs):
+        return {"status": "ok", "peak_allocated_bytes": 1, "sim_capacity_verdict": next(verdicts)}
+
+    monkeypatch.setattr(fake_run, "run_fake", fake)
+    out = plan_cli._verify(result, 3, {"run": {"timeout_s": 60, "fake_cache": None}})
+    assert [rank for rank, _, _ in out] == [3, 2, 1]
