@@ -109,6 +109,7 @@ MEANINGS: dict[str, str] = {
     "plan.top": "rows printed (all with format=json)",
     "plan.solve": "null: rank layouts | min_gpus | max_micro_batch | max_seq_len (reverse questions)",
     "plan.max_gpus": "min_gpus: the largest device count tried",
+    "plan.show": "fitting | all: also the layouts that do not fit, with the first term over the budget",
     "plan.verify": "N: trace the top N fitting layouts (run.mode=fake) against the card, rank by the traces",
     "plan.emit": "PATH (.../study/NAME.yaml): write the top fitting layouts as a study for harness sweep",
     # replay

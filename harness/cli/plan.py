@@ -46,6 +46,9 @@ def plan_command(overrides: Sequence[str]) -> int:
     if narrowed and p.get("solve") is None:
         opts = dataclasses.replace(opts, **narrowed)
     _whole(p["top"], "plan.top", 10**9)  # rows printed
+    show = p.get("show") or "fitting"
+    if show not in ("fitting", "all"):
+        raise ValueError(f"plan.show={show!r} must be fitting or all")
     verify = p.get("verify") or 0
     if verify:
         _whole(verify, "plan.verify", 64)
@@ -66,7 +69,9 @@ def plan_command(overrides: Sequence[str]) -> int:
     else:
         print(
             with_stack(
-                plan_table(result, opts, top=int(p["top"]), explain=bool(cfg.get("explain"))),
+                plan_table(
+                    result, opts, top=int(p["top"]), explain=bool(cfg.get("explain")), show_all=show == "all"
+                ),
                 stack_of_config(cfg),
             )
         )

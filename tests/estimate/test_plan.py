@@ -191,3 +191,28 @@ def test_plan_verify_ranks_by_what_the_card_does(monkeypatch):
     monkeypatch.setattr(fake_run, "run_fake", fake)
     out = plan_cli._verify(result, 3, {"run": {"timeout_s": 60, "fake_cache": None}})
     assert [rank for rank, _, _ in out] == [3, 2, 1]
+
+
+def test_plan_show_all_lists_what_does_not_fit_with_the_term_that_breaks_it():
+    # Issue 31: layouts that do not fit were invisible. Llama-3-70B on 8 H100 80 GB: nothing fits; the
+    # smallest is ZeRO-3 over 8 ranks, whose states alone (16 B a parameter / 8) pass 80 % of the card
+    # at the optimizer term.
+    from conftest import harness_cli
+
+    r = harness_cli(
+        "plan", "model=llama3_70b", "device=h100_80gb", "plan.gpus=8", "plan.top=3", "plan.show=all"
+    )
+    assert r.returncode == 0, r.stderr
+    assert "nothing fits; the smallest needs" in r.stdout and "over at optimizer" in r.stdout
+    rows = r.stdout.split("with the term that breaks the budget:")[1].strip().splitlines()[1:]
+    assert len(rows) == 3 and all(" over at " in row for row in rows)
+
+
+def test_the_proxy_step_time_is_a_lower_bound_and_its_mfu_an_upper_one():
+    from conftest import harness_cli
+
+    r = harness_cli("plan", "model=llama3_70b", "device=h100_80gb", "plan.gpus=64", "plan.top=2")
+    header = next(ln for ln in r.stdout.splitlines() if ln.strip().startswith("#"))
+    assert header.split()[-2:] == ["s≥", "MFU≤"]
+    first = next(ln for ln in r.stdout.splitlines() if ln.strip().startswith("1 "))
+    assert first.endswith("%") and 0 < int(first.split()[-1].rstrip("%")) <= 100

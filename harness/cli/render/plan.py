@@ -13,8 +13,11 @@ from harness.spec import config_id
 PLAN_LEGEND = (
     "mbs micro-batch size; m micro-batches per step; sched 1f1b, gpipe or int1f1b/v (interleaved 1F1B, "
     "v virtual stages); memory the predicted peak of the most-loaded rank; util that peak / capacity; "
-    "bubble pipeline idle time / useful time; comm bytes each device sends per step; step s the "
-    "ranking proxy"
+    "bubble pipeline idle time / useful time; comm bytes each device sends per step; step s≥ the "
+    "ranking proxy, a lower bound on the step time (every FLOP at the device's peak, plus the bubble and "
+    "the communication it cannot hide); MFU≤ the model FLOP utilisation that step time would mean, an "
+    "upper bound (issue 31: the proxy's seconds read as 85 % MFU on a 70B model); with a fitted step "
+    "time (calibration=) step s and TFLOP/s are its predictions"
 )
 
 
@@ -65,7 +68,46 @@ def plan_json(result: PlanResult, opts: PlanOptions) -> dict[str, Any]:
     }
 
 
-def plan_table(result: PlanResult, opts: PlanOptions, *, top: int, explain: bool = False) -> str:
+def breaking_term(row: PlanRow, threshold: float) -> str:
+    """The first term of the most-loaded rank (states, then activations and buffers, in the estimator's
+    order) at which the running sum, with the memory outside the allocator, passes ``threshold`` of the
+    card (issue 31: what to change first in a layout that does not fit)."""
+    from harness.estimate.terms import ACTIVATION_TERMS, BUFFER_TERMS, STATE_TERMS
+
+    est = row.estimate
+    budget = threshold * est.capacity_bytes - est.outside_allocator_bytes
+    total = 0
+    for term in (*STATE_TERMS, *ACTIVATION_TERMS, *BUFFER_TERMS):
+        total += est.worst.terms.get(term, 0)
+        if total > budget:
+            return term
+    return "reserve"  # over only with the allocator's reserve (or a profile's correction)
+
+
+def _over_rows(result: PlanResult, opts: PlanOptions, top: int) -> list[str]:
+    """``plan.show=all``: the valid layouts that do not fit, the smallest first, with the term that
+    breaks the budget."""
+    over = sorted((r for r in result.rows if not r.fits), key=lambda r: r.predicted_bytes)
+    lines = [
+        f"do not fit ({len(over)}), the smallest {min(top, len(over))}, with the term that breaks "
+        "the budget:",
+        f"{'#':>3} {'dp':>5} {'tp':>3} {'pp':>3} {'cp':>4} {'zero':>4} {'mbs':>4} {'m':>5} {'recomp':>13} "
+        f"{'memory':>10} {'util':>6}",
+    ]
+    for i, row in enumerate(over[:top], 1):
+        p, t = row.estimate.spec.parallel, row.estimate.spec.train
+        rc = recompute_label(t.recompute, t.recompute_every, t.recompute_method)
+        lines.append(
+            f"{i:>3} {p.dp:>5} {p.tp:>3} {p.pp:>3} {p.cp:>4} {p.zero_stage:>4} {t.micro_batch_size:>4} "
+            f"{t.num_microbatches:>5} {rc:>13} {human(row.predicted_bytes):>10} {row.utilisation:>6.1%}  "
+            f"over at {breaking_term(row, opts.threshold)}"
+        )
+    return lines
+
+
+def plan_table(
+    result: PlanResult, opts: PlanOptions, *, top: int, explain: bool = False, show_all: bool = False
+) -> str:
     first = result.rows[0].estimate.spec if result.rows else None
     lines = []
     if first is not None:
@@ -87,8 +129,11 @@ def plan_table(result: PlanResult, opts: PlanOptions, *, top: int, explain: bool
             best = min(result.rows, key=lambda r: r.predicted_bytes)
             lines.append(
                 f"nothing fits; the smallest needs {human(best.predicted_bytes)} "
-                f"({best.utilisation:.0%} utilisation): {layout_line(best.estimate.spec)}"
+                f"({best.utilisation:.0%} utilisation, over at {breaking_term(best, opts.threshold)}): "
+                f"{layout_line(best.estimate.spec)}"
             )
+            if show_all:
+                lines += ["", *_over_rows(result, opts, top)]
         return "\n".join(lines)
     fitted = result.fitting[0].predicted_step_time_s is not None
     has_time = fitted or not math.isnan(result.fitting[0].cost.step_time_s)
@@ -124,7 +169,7 @@ def plan_table(result: PlanResult, opts: PlanOptions, *, top: int, explain: bool
         f"{'#':>3} {'dp':>5} {'tp':>3} {'pp':>3} {'cp':>4} {'zero':>4} {'sched':>10} {'mbs':>4} {'m':>5} "
     )
     header += f"{'recomp':>13} {'memory':>10} {'util':>6} {'bubble':>7} {'comm':>10}"
-    header += f" {'step s':>8}" if has_time else ""
+    header += (f" {'step s':>8}" if fitted else f" {'step s≥':>8} {'MFU≤':>6}") if has_time else ""
     header += f" {'TFLOP/s':>8}" if fitted else ""
     lines.append(header)
     for i, row in enumerate(result.fitting[:top], 1):
@@ -144,11 +189,23 @@ def plan_table(result: PlanResult, opts: PlanOptions, *, top: int, explain: bool
             tflops = row.predicted_tflops_per_device
             line += f" {row.predicted_step_time_s:>8.3f} {'-' if tflops is None else f'{tflops:.3g}':>8}"
         elif has_time:
-            line += f" {c.step_time_s:>8.3f}"
+            line += f" {c.step_time_s:>8.3f} {_implied_mfu(row):>6}"
         lines.append(line)
+    if show_all:
+        lines += ["", *_over_rows(result, opts, top)]
     short = PLAN_LEGEND.split("; memory")[0] + "; explain=true: every column"
     lines += ["", *_legend(PLAN_LEGEND if explain else short)]
     return "\n".join(lines)
+
+
+def _implied_mfu(row: PlanRow) -> str:
+    """The model FLOP utilisation a step of the proxy's seconds would mean (an upper bound: the proxy is
+    a lower bound on the step time)."""
+    est, step = row.estimate, row.cost.step_time_s
+    peak = est.spec.device.peak_tflops
+    if not peak or not step or math.isnan(step):
+        return "-"
+    return f"{est.flops_per_step / (step * est.spec.parallel.world * peak * 1e12):.0%}"
 
 
 SOLVE_WHAT = {
