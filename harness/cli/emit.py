@@ -30,6 +30,7 @@ POINT_FIELDS = {
         "pp_schedule",
         "virtual_stages",
         "cp_load_balance",
+        "fsdp_reshard_after_forward",  # the stack's policy, as canonical() left it for this layout
     ),
     # recompute_every too: canonical() resets it to 1 unless recompute is full, so taken from the first
     # layout it would have reset every full layout's N.
@@ -48,6 +49,10 @@ def study_target(path: str | Path, config_dir: Path) -> tuple[Path, str, str]:
         )
     name = path.stem
     root = path.resolve().parent.parent
+    if root != config_dir.resolve() and (config_dir / "study" / f"{name}.yaml").exists():
+        # Hydra finds the built-in study of that name first (issue 29: plan.emit=plans/study/cpu_smoke.yaml
+        # printed a command that ran the built-in cpu_smoke, not the emitted layouts).
+        raise ValueError(f"plan.emit={path}: a built-in study is named {name}; name yours otherwise")
     search = "" if root == config_dir.resolve() else f"hydra.searchpath=[file://{root}] "
     return path, name, f"harness sweep {search}+study={name}"
 

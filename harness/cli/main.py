@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -31,6 +32,10 @@ def _estimate(overrides: Sequence[str]) -> int:
     if fmt == "json":
         record = est.as_record(threshold=threshold)
         record["stack"] = stack.as_record()
+        # The resolved configuration (issue 28: the same overrides, one spec in every command).
+        spec = est.spec
+        record["parallel"] = dataclasses.asdict(spec.parallel)
+        record["train"] = dataclasses.asdict(spec.train)
         if profile:
             from harness.estimate.levels import verdict_bytes
 

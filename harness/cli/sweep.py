@@ -31,16 +31,31 @@ def check_overrides(overrides: Sequence[str]) -> None:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
     except HydraException as exc:
         raise ConfigError(" ".join(str(exc).split())) from None
-    first = []
-    for o in parsed:
+    first, swept = [], []
+    for i, o in enumerate(parsed):
         if o.is_sweep_override():
             values = list(o.sweep_string_iterator())
             first.append(f"{o.get_key_element()}={values[0]}" if values else o.input_line)
+            swept += [(i, f"{o.get_key_element()}={v}") for v in values[1:]]
         else:
             first.append(o.input_line)
+    from harness.spec import InvalidSpec, config_spec, type_problems
     from harness.spec.stacks import require_runnable
 
-    require_runnable(compose(first), "sweep")
+    cfg = compose(first)
+    require_runnable(cfg, "sweep")
+    # Every swept value of a spec key has the key's type (issue 29: parallel.tp=1,abc made an invalid row
+    # for "abc", exit 0, where estimate calls it a usage error): each composed with the others' first.
+    for i, value in [(None, None), *swept]:
+        overrides = first if i is None else [*first[:i], value, *first[i + 1 :]]
+        if not (value or "").startswith(("model.", "parallel.", "train.", "device.")) and i is not None:
+            continue
+        try:
+            wrong = type_problems(config_spec(compose(overrides) if i is not None else cfg))
+        except InvalidSpec as exc:
+            wrong = exc.reasons
+        if wrong:
+            raise ConfigError("; ".join(wrong))
 
 
 def sweep(overrides: Sequence[str]) -> int:

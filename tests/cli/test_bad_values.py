@@ -212,3 +212,26 @@ def test_a_profile_step_time_section_is_validated(capsys, tmp_path, field, value
     path.write_text(json.dumps(profile))
     err = one_line_error(capsys, ["plan", f"calibration={path}", "plan.gpus=2", "train.precision=fp32"])
     assert message in err
+
+
+def test_a_swept_value_of_the_wrong_type_is_a_usage_error(capsys, tmp_path):
+    # Issue 29: parallel.tp=1,abc wrote an invalid row for "abc" and exited 0.
+    err = one_line_error(
+        capsys, ["sweep", "parallel.tp=1,abc", f"results_dir={tmp_path}", "sweep.dry_run=true"]
+    )
+    assert err == "harness sweep: error: parallel.tp='abc' must be int"
+    assert not list(tmp_path.glob("*.parquet"))
+
+
+def test_plan_emit_refuses_the_name_of_a_built_in_study(capsys, tmp_path):
+    # Issue 29: Hydra would find the built-in study of that name and run it instead of the emitted one.
+    err = one_line_error(capsys, ["plan", f"plan.emit={tmp_path}/study/cpu_smoke.yaml"])
+    assert "a built-in study is named cpu_smoke; name yours otherwise" in err
+
+
+def test_estimate_json_carries_the_resolved_configuration(capsys):
+    # Issue 28: the resolved train and parallel fields, as run records them (one configuration).
+    assert main(["estimate", "model=llama3_8b", "parallel.dp=8", "parallel.zero_stage=3", "format=json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["train"]["num_microbatches"] == 1 and out["train"]["recompute"] == "op"
+    assert out["parallel"]["fsdp_reshard_after_forward"] == "default" and out["stack"]["name"] == "torchtitan"
