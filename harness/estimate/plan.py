@@ -172,7 +172,7 @@ def candidate_groups(base: RunSpec, opts: PlanOptions) -> Iterator[list[RunSpec]
                     z, reshard = zero, "always"
                     if zero == 3 and (policy == "never" or (policy == "default" and pp > 1)):
                         z = 2
-                    elif zero == 3 and policy == "default":
+                    elif zero == 3 and policy == "default" and dp * cp > 1:
                         reshard = "default"
                     if all(z != seen for seen, _ in zeros):
                         zeros.append((z, reshard))
