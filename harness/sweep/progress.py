@@ -35,6 +35,11 @@ def closing_summary(results_dir: str, planned: list[str]) -> str:
                     "harness sweep: worst predicted/measured peak (torch engine): "
                     + ", ".join(f"{ratio[i]:.2f} ({_layout(mine.loc[i])})" for i in worst)
                 )
+        shares = [(reserved_share(r), r) for _, r in mine.iterrows() if r.get("status") in ("ok", "oom")]
+        shares = [(s, r) for s, r in shares if s is not None]
+        if shares:
+            (share, how), row = max(shares, key=lambda x: x[0][0])
+            lines.append(f"harness sweep: worst reserved / capacity: {share:.1%} ({how}; {_layout(row)})")
     for line in bad:
         lines.append(f"harness sweep: unreadable: {line}")
     at = f"results_dir={results_dir}"
@@ -44,6 +49,20 @@ def closing_summary(results_dir: str, planned: list[str]) -> str:
     )
     lines.append(f"  harness calibrate {at}   (fit, safe threshold)   harness report {at}   (figures)")
     return "\n".join(lines)
+
+
+def reserved_share(row) -> tuple[float, str] | None:
+    """A GPU row's reserved peak over its device's capacity, and how it was obtained: ``measured`` (the
+    CUDA allocator's) or ``replayed`` (the rank's trace through the allocator model); None without one
+    or on the CPU."""
+    capacity = row.get("device_memory_gib")
+    if row.get("device_name") in (None, "cpu"):  # the CPU's capacity is a simulated one: not shown
+        return None
+    for key, how in (("peak_reserved_bytes", "measured"), ("sim_peak_reserved_bytes", "replayed")):
+        value = row.get(key)
+        if value is not None and value == value and capacity:  # (NaN: a missing cell)
+            return float(value) / (float(capacity) * 2**30), how
+    return None
 
 
 def _layout(row) -> str:
@@ -107,6 +126,13 @@ def progress_line(results_dir: str, row: dict[str, Any], seconds: float) -> str:
         f"{k[9:]}={row[k]}" for k in ("parallel_dp", "parallel_tp", "parallel_pp", "parallel_cp") if k in row
     )
     head = f"{row['status']} {layout} zero={row.get('parallel_zero_stage')} {seconds:.1f} s"
+    card = reserved_share(row)
+    if card is not None:  # issue 31: the level that decides a GPU run, not only the tensors'
+        share, how = card
+        verdict = row.get("sim_capacity_verdict")
+        head += f", reserved {share:.1%} of the card ({how})"
+        if verdict not in (None, "fits"):
+            head += f", {verdict.replace('_', ' ')}"
     try:
         plan = json.loads((root / PLAN_FILE).read_text())
         with open(root / DONE_FILE, "a") as log:

@@ -326,3 +326,42 @@ def test_the_closing_summary_counts_ratios_and_next_commands(tmp_path):
     # the worst ratio first: 50/100 = 0.50 (2x off), then 100/100
     assert "worst predicted/measured peak (torch engine): 0.50 (dp=1 tp=2 pp=1 cp=1 zero=0), 1.00" in text
     assert f"harness calibrate results_dir={tmp_path}" in text and "harness results compact" in text
+
+
+def test_progress_and_summary_show_the_reserved_level_against_the_card(tmp_path):
+    # Issue 31: a sweep showed only the tensors' peak; what decides a GPU run is the allocator's reserve.
+    from harness.sweep.progress import progress_line
+
+    base = {
+        "parallel_dp": 2,
+        "parallel_tp": 1,
+        "parallel_pp": 1,
+        "parallel_cp": 1,
+        "parallel_zero_stage": 3,
+        "device_name": "h100_80gb",
+    }
+    gib = 2**30
+    replayed = {
+        **base,
+        "config_id": "a",
+        "status": "ok",
+        "device_memory_gib": 80.0,
+        "sim_peak_reserved_bytes": 78 * gib,
+        "sim_capacity_verdict": "fits_after_flush",
+    }
+    measured = {
+        **base,
+        "config_id": "b",
+        "status": "ok",
+        "device_memory_gib": 80.0,
+        "peak_reserved_bytes": 40 * gib,
+    }
+    line = progress_line(str(tmp_path), replayed, 3.0)
+    assert line.endswith("3.0 s, reserved 97.5% of the card (replayed), fits after flush")
+    assert progress_line(str(tmp_path), measured, 1.0).endswith("reserved 50.0% of the card (measured)")
+    write_record(replayed, tmp_path)
+    write_record(measured, tmp_path)
+    text = closing_summary(str(tmp_path), ["a", "b"])
+    assert "harness sweep: worst reserved / capacity: 97.5% (replayed; dp=2 tp=1 pp=1 cp=1 zero=3)" in text
+    cpu = {**measured, "device_name": "cpu"}  # a simulated capacity: nothing to say
+    assert progress_line(str(tmp_path), cpu, 1.0).endswith("1.0 s")
