@@ -26,28 +26,15 @@ class TraceError(ValueError):
 CAPACITY_VERDICTS = ("fits", "fits_after_flush", "oom_fragmentation", "oom_allocated")
 
 
-def capacity_verdict(
-    events: list[dict[str, Any]],
-    capacity_bytes: int,
-    *,
-    peak_allocated_bytes: int,
-    **options: Any,
-) -> dict[str, Any]:
-    """``events`` replayed against ``capacity_bytes`` (``options`` as :func:`replay` takes them):
-    ``verdict`` (one of :data:`CAPACITY_VERDICTS`), ``num_alloc_retries`` (the cache flushes before
-    the step ended or ran out) and ``peak_reserved_bytes`` (what the bounded allocator reserved at
-    most). ``peak_allocated_bytes``: the tensors' own peak, from an unbounded replay, which tells an
-    out-of-memory by fragmentation from one at the allocated level."""
-    r = replay(events, capacity_bytes=capacity_bytes, **options)
-    if r.num_ooms:
-        verdict = "oom_fragmentation" if peak_allocated_bytes <= capacity_bytes else "oom_allocated"
-    else:
-        verdict = "fits_after_flush" if r.num_alloc_retries else "fits"
-    return {
-        "verdict": verdict,
-        "num_alloc_retries": r.num_alloc_retries,
-        "peak_reserved_bytes": r.peak_reserved_bytes,
-    }
+def capacity_verdict(bounded: ReplayResult, capacity_bytes: int, *, peak_allocated_bytes: int) -> str:
+    """One of :data:`CAPACITY_VERDICTS` for a trace whose replay against ``capacity_bytes`` is
+    ``bounded`` (its ``num_alloc_retries`` are the cache flushes before the step ended or ran out).
+    ``peak_allocated_bytes``: the tensors' own peak, from an unbounded replay (the bounded one's, when it
+    did not run out, is the same), which tells an out-of-memory by fragmentation from one at the
+    allocated level."""
+    if bounded.num_ooms:
+        return "oom_fragmentation" if peak_allocated_bytes <= capacity_bytes else "oom_allocated"
+    return "fits_after_flush" if bounded.num_alloc_retries else "fits"
 
 
 def replay(

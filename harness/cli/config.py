@@ -204,8 +204,7 @@ def gpu_scale_defaults(overrides: Sequence[str]) -> tuple[list[str], str | None]
         shape = "one micro-batch per pipeline stage" if m is None else f"{m} micro-batches"
         what.append(
             f"train={GPU_DEFAULTS['train']} (seq {t['seq_len']}, micro-batch {t['micro_batch_size']}, "
-            f"{shape}, "
-            f"{t['precision']}; train.* keys still apply)"
+            f"{shape}, {t['precision']}; train.* keys still apply)"
         )
     return added + list(overrides), (
         f"note: {name} is GPU-scale: judged with the published study's {' and '.join(what)}; "

@@ -48,13 +48,17 @@ def replay_command(overrides: Sequence[str]) -> int:
         options["initial_segments"] = initial
     result = replay(events, **options)
     judged = None
-    if options["capacity_bytes"] is not None:  # what the card would say (issue 32)
+    capacity = options["capacity_bytes"]
+    if capacity is not None:  # what the card would say (issue 32)
         from harness.alloc import capacity_verdict
 
-        unbounded = replay(events, **{**options, "capacity_bytes": None})
-        judged = capacity_verdict(events, peak_allocated_bytes=unbounded.peak_allocated_bytes, **options)
+        # The tensors' own peak: the bounded replay's where it ran to the end, else an unbounded one's.
+        allocated = (
+            replay(events, **{**options, "capacity_bytes": None}) if result.num_ooms else result
+        ).peak_allocated_bytes
+        judged = capacity_verdict(result, capacity, peak_allocated_bytes=allocated)
     if fmt == "json":
-        extra = {"capacity_verdict": judged["verdict"]} if judged else {}
+        extra = {"capacity_verdict": judged} if judged else {}
         print(json.dumps({"trace": str(cfg["trace"]), **result.as_dict(), **extra}, indent=2))
         return 0
     # The segments at the reserved peak: a second, deterministic replay stopped at that event.
@@ -68,7 +72,7 @@ def replay_command(overrides: Sequence[str]) -> int:
 
         print(
             f"on a card of {human(options['capacity_bytes'])}: "
-            f"{capacity_words(judged['verdict'], judged['num_alloc_retries'])}"
+            f"{capacity_words(judged, result.num_alloc_retries)}"
         )
     return 0
 

@@ -46,12 +46,14 @@ def check_overrides(overrides: Sequence[str]) -> None:
     require_runnable(cfg, "sweep")
     # Every swept value of a spec key has the key's type (issue 29: parallel.tp=1,abc made an invalid row
     # for "abc", exit 0, where estimate calls it a usage error): each composed with the others' first.
-    for i, value in [(None, None), *swept]:
-        overrides = first if i is None else [*first[:i], value, *first[i + 1 :]]
-        if not (value or "").startswith(("model.", "parallel.", "train.", "device.")) and i is not None:
-            continue
+    configs = [cfg] + [
+        compose([*first[:i], value, *first[i + 1 :]])
+        for i, value in swept
+        if value.startswith(("model.", "parallel.", "train.", "device."))
+    ]
+    for one in configs:
         try:
-            wrong = type_problems(config_spec(compose(overrides) if i is not None else cfg))
+            wrong = type_problems(config_spec(one))
         except InvalidSpec as exc:
             wrong = exc.reasons
         if wrong:

@@ -27,6 +27,7 @@ from harness.spec import (
     layout_problems,
     type_problems,
 )
+from harness.spec.identity import canonical_grad_sync, canonical_zero
 
 
 @dataclass(frozen=True)
@@ -166,22 +167,17 @@ def candidate_groups(base: RunSpec, opts: PlanOptions) -> Iterator[list[RunSpec]
                     continue
                 # ZeRO shards over dp·cp: over one rank every stage is the same run (the runner applies
                 # no data parallelism), listed once (issue 31: four rows of one layout); ZeRO-3 that
-                # the stack's reshard policy keeps gathered is ZeRO-2 (harness.spec.canonical_form).
-                zeros = []
+                # the stack's reshard policy keeps gathered is ZeRO-2, listed once too.
+                zeros: list[tuple[int, str]] = []
                 for zero in opts.zero_stages if dp * cp > 1 else opts.zero_stages[:1]:
-                    z, reshard = zero, "always"
-                    if zero == 3 and (policy == "never" or (policy == "default" and pp > 1)):
-                        z = 2
-                    elif zero == 3 and policy == "default" and dp * cp > 1:
-                        reshard = "default"
+                    z, reshard = canonical_zero(zero, policy, pp=pp, shards=dp * cp)
                     if all(z != seen for seen, _ in zeros):
                         zeros.append((z, reshard))
                 for mbs in opts.micro_batch_sizes:
                     if gbs % (dp * mbs):
                         continue
                     m = gbs // (dp * mbs)
-                    # canonical: nothing to choose with one micro-batch, one data-parallel rank or a pipeline
-                    sync = t.grad_sync if (m > 1 and dp * cp > 1 and pp == 1) else "last"
+                    sync = canonical_grad_sync(t.grad_sync, num_microbatches=m, shards=dp * cp, pp=pp)
                     trains = [
                         dataclasses.replace(
                             t, micro_batch_size=mbs, num_microbatches=m, recompute=rc, grad_sync=sync

@@ -43,15 +43,33 @@ def canonical(spec: RunSpec) -> RunSpec:
     return canonical_form(spec)
 
 
+def canonical_zero(zero_stage: int, reshard: str, *, pp: int, shards: int) -> tuple[int, str]:
+    """The canonical (``zero_stage``, ``fsdp_reshard_after_forward``) of a layout with ``pp`` stages
+    and ``shards`` = dp·cp data-parallel ranks: ZeRO-3 whose policy resolves to never (``never``, or
+    ``default`` with pp > 1) is ZeRO-2, which is that run; ``default`` stays only where it differs from
+    ``always`` — ZeRO-3 over several ranks without a pipeline, whose final norm and head are a unit of
+    their own kept unsharded after forward; everything else is ``always``. (Also ``plan``'s, which
+    builds its candidates in canonical form field by field.)"""
+    if zero_stage == 3 and (reshard == "never" or (reshard == "default" and pp > 1)):
+        return 2, "always"
+    keep_head = zero_stage == 3 and reshard == "default" and pp == 1 and shards > 1
+    return zero_stage, "default" if keep_head else "always"
+
+
+def canonical_grad_sync(grad_sync: str, *, num_microbatches: int, shards: int, pp: int) -> str:
+    """``grad_sync`` as the canonical form keeps it: ``last`` where nothing is accumulated over
+    data-parallel ranks (one micro-batch, one rank) or under a pipeline, whose schedules in torch reduce
+    after the last micro-batch whatever the trainer asks (pipelining/stage.py:
+    set_requires_gradient_sync(False) / no_sync until the last backward), which is what torchtitan's
+    every_microbatch does under pp."""
+    return "last" if num_microbatches == 1 or shards == 1 or pp > 1 else grad_sync
+
+
 def canonical_form(spec: RunSpec) -> RunSpec:
     """The canonical form of a spec that has already passed :func:`problems` (no re-validation)."""
     p = spec.parallel
     dp = p.dp if p.dp is not None else p.world_size // (p.tp * p.pp * p.cp)
-    reshard = p.fsdp_reshard_after_forward
-    never = p.zero_stage == 3 and (reshard == "never" or (reshard == "default" and p.pp > 1))
-    # "default" without a pipeline differs from "always" in the final norm and head only (a unit of its
-    # own, kept unsharded after forward); it has no effect where FSDP2 shards over one rank or ZeRO < 3.
-    keep_head = p.zero_stage == 3 and reshard == "default" and p.pp == 1 and dp * p.cp > 1
+    zero, reshard = canonical_zero(p.zero_stage, p.fsdp_reshard_after_forward, pp=p.pp, shards=dp * p.cp)
     p = dataclasses.replace(
         p,
         dp=dp,
@@ -60,8 +78,8 @@ def canonical_form(spec: RunSpec) -> RunSpec:
         virtual_stages=p.virtual_stages if p.pp > 1 else 1,
         sequence_parallel=p.sequence_parallel if p.tp > 1 else False,
         cp_load_balance=p.cp_load_balance if p.cp > 1 else False,
-        zero_stage=2 if never else p.zero_stage,
-        fsdp_reshard_after_forward="default" if keep_head else "always",
+        zero_stage=zero,
+        fsdp_reshard_after_forward=reshard,
     )
     t = spec.train
     if t.num_microbatches is None:
@@ -72,11 +90,9 @@ def canonical_form(spec: RunSpec) -> RunSpec:
         or (t.recompute_method == "block" and t.recompute_every >= chunk_layers)
     ):
         t = dataclasses.replace(t, recompute_every=1, recompute_method="every")
-    # Nothing accumulated over data-parallel ranks, or a pipeline: torch's schedules reduce after the
-    # last micro-batch whatever the trainer asks (pipelining/stage.py: set_requires_gradient_sync(False)
-    # / no_sync until the last backward), which is what torchtitan's every_microbatch does under pp.
-    if t.num_microbatches == 1 or p.dp * p.cp == 1 or p.pp > 1:
-        t = dataclasses.replace(t, grad_sync="last")
+    sync = canonical_grad_sync(t.grad_sync, num_microbatches=t.num_microbatches, shards=p.dp * p.cp, pp=p.pp)
+    if sync != t.grad_sync:
+        t = dataclasses.replace(t, grad_sync=sync)
     return dataclasses.replace(spec, parallel=p, train=t)
 
 

@@ -303,6 +303,7 @@ def test_a_trace_against_the_card_says_which_of_four_outcomes(events, verdict, r
     from harness.alloc import capacity_verdict
 
     unbounded = replay(events)
-    judged = capacity_verdict(events, 100 * MiB, peak_allocated_bytes=unbounded.peak_allocated_bytes)
-    assert (judged["verdict"], judged["num_alloc_retries"]) == (verdict, retries)
-    assert judged["peak_reserved_bytes"] <= 100 * MiB
+    bounded = replay(events, capacity_bytes=100 * MiB)
+    judged = capacity_verdict(bounded, 100 * MiB, peak_allocated_bytes=unbounded.peak_allocated_bytes)
+    assert (judged, bounded.num_alloc_retries) == (verdict, retries)
+    assert bounded.peak_reserved_bytes <= 100 * MiB

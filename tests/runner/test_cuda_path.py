@@ -253,6 +253,21 @@ def _write(out_dir: Path, rank: int, result: dict | None, log: str = "") -> None
     (out_dir / f"rank{rank}.log").write_text(log)
 
 
+def _task_outcome(codes: list, *, killed: list, timed_out: bool, wall_s: float) -> dict:
+    """One task's outcome as the supervisor returns it (harness.runner.supervisor), for ranks 0..n-1."""
+    return {
+        "task": 0,
+        "host": "h",
+        "ranks": list(range(len(codes))),
+        "codes": codes,
+        "killed": killed,
+        "timed_out": timed_out,
+        "host_oom_kills": 0,
+        "started": time.time(),
+        "wall_s": wall_s,
+    }
+
+
 def test_a_rank_aborted_by_nccls_watchdog_is_a_symptom_of_the_hung_peer(tmp_path):
     # Rank 1 waited in an all-reduce for rank 0, which never came; NCCL's watchdog aborted rank 1
     # (SIGABRT, no result file); the supervisor killed rank 0 at its deadline.
@@ -263,19 +278,7 @@ def test_a_rank_aborted_by_nccls_watchdog_is_a_symptom_of_the_hung_peer(tmp_path
         "ran for 240012 milliseconds before timing out."
     )
     _write(tmp_path, 1, None, log=f"some output\n{watchdog}\nterminate called\n")
-    outcomes = [
-        {
-            "task": 0,
-            "host": "h",
-            "ranks": [0, 1],
-            "codes": [None, -signal.SIGABRT],
-            "killed": [0],
-            "timed_out": True,
-            "host_oom_kills": 0,
-            "started": time.time(),
-            "wall_s": 300.0,
-        }
-    ]
+    outcomes = [_task_outcome([None, -signal.SIGABRT], killed=[0], timed_out=True, wall_s=300.0)]
     s = spec("tiny", parallel_dp=2, train_precision="fp32", train_steps=2)
     record = outcome.point_record(s, tmp_path, outcomes, 300.0, count=1)
     assert record["status"] == "timeout" and record["error_rank"] == 0
@@ -341,19 +344,7 @@ def test_a_rank_that_aborted_on_a_lost_peer_is_not_blamed_over_the_rank_that_rai
     _write(tmp_path, 1, None, log="terminate called after throwing an instance of 'gloo::IoException'\n")
     _write(tmp_path, 2, {"error": "RuntimeError: Connection closed by peer"})
     _write(tmp_path, 3, {"error": "RuntimeError: injected on rank 3"})
-    outcomes = [
-        {
-            "task": 0,
-            "host": "h",
-            "ranks": [0, 1, 2, 3],
-            "codes": [1, -signal.SIGABRT, 1, 1],
-            "killed": [],
-            "timed_out": False,
-            "host_oom_kills": 0,
-            "started": time.time(),
-            "wall_s": 3.0,
-        }
-    ]
+    outcomes = [_task_outcome([1, -signal.SIGABRT, 1, 1], killed=[], timed_out=False, wall_s=3.0)]
     s = spec("tiny", parallel_dp=4, train_precision="fp32", train_steps=2)
     record = outcome.point_record(s, tmp_path, outcomes, 60.0, count=1)
     assert record["status"] == "crash" and record["error_rank"] == 3

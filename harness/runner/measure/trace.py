@@ -231,11 +231,13 @@ def simulated(
         "trace_events": r.num_events,
     }
     if capacity_bytes is not None and capacity_bytes > 0:
-        v = capacity_verdict(events, capacity_bytes, peak_allocated_bytes=r.peak_allocated_bytes, **options)
+        bounded = replay(events, capacity_bytes=capacity_bytes, **options)
         out.update(
             sim_capacity_bytes=capacity_bytes,
-            sim_capacity_verdict=v["verdict"],
-            sim_num_alloc_retries=v["num_alloc_retries"],
+            sim_capacity_verdict=capacity_verdict(
+                bounded, capacity_bytes, peak_allocated_bytes=r.peak_allocated_bytes
+            ),
+            sim_num_alloc_retries=bounded.num_alloc_retries,
         )
     return out
 
