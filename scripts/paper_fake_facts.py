@@ -23,7 +23,7 @@ import pandas as pd
 
 from harness.analysis.calibrate import prepare
 from harness.analysis.report import layout_label
-from harness.estimate import ENGINES
+from harness.estimate import ENGINES, estimate
 from harness.sweep.store import load_results
 
 DEFAULT = ["results/paper_fake/a100_40gb", "results/paper_fake/h100_94gb"]
@@ -59,6 +59,8 @@ def summary(name: str, frame: pd.DataFrame) -> None:
             f"{under:>13.1%} {(np.abs(err) <= 0.02).mean():>12.1%}   {int(below.sum())} points: "
             f"{over_alloc} / {over_res}"
         )
+    if reserved is not None:
+        reserved_level(f, data, reserved)
     err = (data.raw_bytes["torch"] - traced) / traced
     print("   torch engine's largest differences (error, traced GiB, model, layout):")
     for i in np.argsort(-np.abs(err))[:10]:
@@ -76,6 +78,21 @@ def summary(name: str, frame: pd.DataFrame) -> None:
     print("   torch engine by model and pipeline depth: median error, worst under, points")
     for (model, pp), g in by.groupby(["model", "pp"]):
         print(f"   {model:<11} pp{int(pp)}  {g['err'].median():+7.1%} {g['err'].min():+7.1%} {len(g):4d}")
+
+
+def reserved_level(f: pd.DataFrame, data, replayed: np.ndarray) -> None:
+    """The torch engine's reserved level (issue 32) against each point's replayed reserved peak: as the
+    rows recorded it when they were traced (``est_reserved_total_bytes``: that day's engine) and as
+    today's engine computes it, with its mechanism terms (harness/estimate/segments.py)."""
+    today = np.array([estimate(s, engine="torch").reserved_total_bytes for s in data.specs], dtype=float)
+    print("   torch engine's reserved level against the replayed reserved peak: median, p95 |err|, worst under, under")
+    columns = [("recorded", f["est_reserved_total_bytes"].to_numpy(dtype=float))] if "est_reserved_total_bytes" in f else []
+    for label, level in [*columns, ("today", today)]:
+        err = (level - replayed) / replayed
+        print(
+            f"   {label:<9} {np.median(err):+12.1%} {np.quantile(np.abs(err), 0.95):>11.1%} "
+            f"{-err.min():>13.1%}   {(err < 0).mean():.0%} of points"
+        )
 
 
 def main() -> None:

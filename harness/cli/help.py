@@ -155,7 +155,9 @@ COMMAND_HELP: dict[str, Command] = {
         "analytical per-rank memory and FLOPs of one configuration, term by term, with a verdict",
         "Every memory term per pipeline stage, the most-loaded rank, its utilisation of the device and "
         "whether it fits under threshold, at three levels: allocated (the tensors), reserved (+ the "
-        "caching allocator's segment rounding and cuBLAS workspaces) and device (+ CUDA context and "
+        "caching allocator's segment rounding, the gradient-reduction stream's segments, the "
+        "segments the optimizer step opens beyond the forward/backward cache, and cuBLAS workspaces) "
+        "and device (+ CUDA context and "
         "NCCL buffers, outside the allocator); the verdict is the device level's. A GPU-scale model "
         "(a published preset or model.hf_config) is "
         "judged on device=h100_94gb with train=paper (the published study's sequence; one micro-batch per "

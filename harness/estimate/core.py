@@ -58,17 +58,22 @@ class Estimate:
         """The reserved level's terms (levels.RESERVED_TERMS) of ``stage`` (default: the reserved worst)."""
         if stage is None:
             return dict(self._reserved[1])
-        return levels.reserved_terms(self.spec, stage.terms)
+        return levels.reserved_terms(self.spec, stage.terms, stage=stage.stage, engine=self.engine)
 
     @cached_property
     def _reserved(self) -> tuple[StageEstimate, dict[str, int], int]:
         """(the stage whose reserved level is highest, its reserved terms, that level); computed once:
         ``plan`` asks every candidate for its device level."""
+        # Stages in order of a cheap upper bound of their reserved level; one whose bound is below the
+        # best exact level found cannot be the worst (pipeline stages: most are never computed).
+        bounds = [(levels.reserved_upper_bound(self.spec, s.terms, stage=s.stage, engine=self.engine), s) for s in self.stages]
         best = None
-        for s in self.stages:
-            terms = levels.reserved_terms(self.spec, s.terms)
+        for bound, s in sorted(bounds, key=lambda b: (-b[0], b[1].stage)):
+            if best is not None and bound < best[2]:
+                break
+            terms = levels.reserved_terms(self.spec, s.terms, stage=s.stage, engine=self.engine)
             total = s.total_bytes + sum(terms.values())
-            if best is None or total > best[2]:
+            if best is None or total > best[2] or (total == best[2] and s.stage < best[0].stage):
                 best = (s, terms, total)
         return best
 

@@ -3,8 +3,10 @@ process around it add to the tensors every engine counts.
 
 Three levels (ARCHITECTURE.md, issue 13): *allocated* (the tensors alive at the peak: ``total_bytes``,
 what ``torch.cuda.max_memory_allocated`` and the CPU instrument measure), *reserved* (the caching
-allocator's segments: allocated plus the rounding of its segments and the cuBLAS workspaces it holds;
-fragmentation beyond that is fitted by calibration from replayed or measured reserved peaks), and
+allocator's segments: allocated plus the rounding of its segments, the segments of the
+gradient-reduction stream, those the optimizer step opens beyond the forward/backward cache, and the
+cuBLAS workspaces; the fragmentation left beyond those is fitted by calibration from replayed or
+measured reserved peaks), and
 *device* (reserved plus what lives outside the allocator: the CUDA context and NCCL's buffers). A run
 runs out of memory when the device level reaches the capacity. Every constant is a device preset's field
 (sweeps/device/*.yaml), cited there; the CPU has none of them (all zero).
@@ -12,10 +14,12 @@ runs out of memory when the device level reaches the capacity. Every constant is
 
 from __future__ import annotations
 
+from harness.estimate.segments import segment_terms, segment_terms_bound
+from harness.estimate.terms import peak_bytes
 from harness.spec import RunSpec
 
 MIB = 1 << 20
-RESERVED_TERMS = ("segment_rounding", "cublas_workspace")
+RESERVED_TERMS = ("segment_rounding", "reduce_stream", "optimizer_step_segments", "cublas_workspace")
 OUTSIDE_TERMS = ("cuda_context", "nccl")
 # Temporary buffers that are one tensor each, allocated and freed once per use: the caching allocator
 # opens a segment of their own for them when no cached block is large enough.
@@ -51,13 +55,33 @@ def communicators(spec: RunSpec) -> int:
     return 1 + axes + (p.dp > 1 and p.cp > 1)
 
 
-def reserved_terms(spec: RunSpec, terms: dict[str, int]) -> dict[str, int]:
-    """The reserved level's own terms for one stage (bytes)."""
+def reserved_terms(spec: RunSpec, terms: dict[str, int], *, stage: int = 0, engine: str = "torch") -> dict[str, int]:
+    """The reserved level's own terms for one stage (bytes): the rounding of the single buffers'
+    segments, and for the ``torch`` engine (the runner's data-parallel wrappers and ``foreach`` AdamW)
+    the segments of the gradient-reduction stream and those the optimizer step opens beyond the
+    forward/backward cache (:mod:`harness.estimate.segments`), and the cuBLAS workspaces. All 0 on the
+    CPU, which has no caching allocator."""
     d = spec.device
-    return {
-        "segment_rounding": segment_rounding(terms) if d.name != "cpu" else 0,
-        "cublas_workspace": round(d.cublas_workspace_mib * MIB),
-    }
+    out = dict.fromkeys(RESERVED_TERMS, 0)
+    out["cublas_workspace"] = round(d.cublas_workspace_mib * MIB)
+    if d.name == "cpu":
+        return out
+    out["segment_rounding"] = segment_rounding(terms)
+    if engine == "torch":
+        out.update(segment_terms(spec, stage, terms))
+    return out
+
+
+def reserved_upper_bound(spec: RunSpec, terms: dict[str, int], *, stage: int = 0, engine: str = "torch") -> int:
+    """At least the stage's reserved level (allocated peak plus :func:`reserved_terms`), cheaply: the
+    mechanism terms bounded by the reduce stream's segments plus a segment for every temporary of the
+    optimizer step (:func:`~harness.estimate.segments.segment_terms_bound`)."""
+    d = spec.device
+    out = peak_bytes(terms) + round(d.cublas_workspace_mib * MIB)
+    if d.name == "cpu":
+        return out
+    out += segment_rounding(terms)
+    return out + (segment_terms_bound(spec, stage, terms) if engine == "torch" else 0)
 
 
 # NCCL's buffers per channel and connection besides NCCL_BUFFSIZE's SIMPLE buffer: the LL and LL128

@@ -8,6 +8,11 @@ from harness.estimate.terms import STATE_TERMS, TERMS
 from harness.spec import config_id
 
 MAX_STAGE_COLUMNS = 6
+# The reserved level's mechanism terms (harness.estimate.segments), printed where they are not 0.
+SEGMENT_LABELS = (
+    ("reduce_stream", "gradient-reduction stream"),
+    ("optimizer_step_segments", "optimizer step's new segments"),
+)
 
 
 def _stage_columns(est: Estimate) -> list[int]:
@@ -59,8 +64,9 @@ def estimate_table(
         f"most-loaded rank: stage {est.worst.stage}, {human(est.total_bytes)} of "
         f"{human(est.capacity_bytes)} = {est.utilisation:.1%} allocated (the tensors)",
         f"reserved by the caching allocator: {human(est.reserved_total_bytes)} (segment rounding "
-        f"{human(reserved['segment_rounding'])}, cuBLAS workspace {human(reserved['cublas_workspace'])}; "
-        "fragmentation: calibration=PROFILE)",
+        f"{human(reserved['segment_rounding'])}, "
+        + "".join(f"{label} {human(reserved[k])}, " for k, label in SEGMENT_LABELS if reserved[k])
+        + f"cuBLAS workspace {human(reserved['cublas_workspace'])}; fragmentation: calibration=PROFILE)",
         f"device level (what runs out): {human(est.device_total_bytes)} = {util:.1%} utilisation"
         + ("" if calibrated_bytes is not None else f" → {said} (threshold {threshold:.0%})")
         + f" (CUDA context {human(est.outside_terms['cuda_context'])}, NCCL "

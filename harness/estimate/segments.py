@@ -1,0 +1,282 @@
+"""What the optimizer step adds to the reserved level (issue 32): its temporaries placed into the cache
+that forward and backward left, by the caching allocator's rules; what finds no cached block opens
+segments of its own, above everything the step before it reserved.
+
+The mechanism, found by replaying fake traces of the paper's grids (docs/gpu-memory.md): the caching
+allocator never gives segments back during a step, so when the optimizer step starts, every block that
+held an activation is cached and free, in segments sized for activations. A ``foreach`` AdamW step then
+allocates one FP32 temporary per parameter (``_foreach_sqrt(exp_avg_sq)``, all alive together), and a
+request only fits a free block at least as large (``get_free_block``). A SwiGLU weight's temporary is
+h·f/t·4 B and the largest activation s·b·f/(t·c)·e B: it fits only where s·b/c ≥ 4h/e — on Llama-2-13B
+(h 5120) at tp 2, sequence 4096, micro-batch 1 none of the 60 FFN temporaries finds a block, and the step
+opens 12 GiB of segments over a cache of 91 GiB (replayed: 103.5 GiB reserved on 88.7 GiB allocated).
+Before this term, the engine's reserved level sat 9 % below the replays at the median point.
+
+The cache is modelled as the blocks of the tensors alive at the forward/backward peak (every activation
+tensor of every layer and in-flight micro-batch at its own size, and each temporary buffer); a block of
+at least 10 MiB is a segment of its own rounded up to 2 MiB, smaller ones share 20 MiB segments
+(``get_allocation_size``). The temporaries are placed in parameter order by best fit, a remainder over
+1 MiB split off as a free block (``should_split``, large pool). Written by hand over counts, not by
+replaying :mod:`harness.alloc` (a layer below this one): ``plan`` asks it of every candidate and stage.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from functools import lru_cache
+
+from harness.estimate.activations import elem_bytes, torch_autocast
+from harness.estimate.buffers import kept_head
+from harness.estimate.params import layer_params, non_layer_params
+from harness.estimate.states import torch_grads_at_peak
+from harness.spec import ModelSpec, ParallelSpec, RunSpec, TrainSpec
+
+MIB = 1 << 20
+KSMALL_SIZE = MIB  # requests up to 1 MiB go to the small pool: never in the large pool's cache
+KMIN_LARGE_ALLOC = 10 * MIB
+KLARGE_BUFFER = 20 * MIB
+KROUND_LARGE = 2 * MIB
+KMIN_BLOCK = 512
+# Temporary buffers of the forward/backward peak, one block each (the terms of harness.estimate.stage).
+CACHED_BUFFERS = (
+    "token_ids",
+    "output_activations",
+    "logits",
+    "loss",
+    "fsdp_allgather",
+    "tp_allgather",
+    "pp_p2p",
+    "cp_kv_allgather",
+)
+
+
+def _segment(size: int) -> int:
+    """``get_allocation_size`` for a large-pool request of at least 10 MiB."""
+    return -(-size // KROUND_LARGE) * KROUND_LARGE
+
+
+def layer_tensors(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast: bool = False) -> tuple[int, ...]:
+    """The sizes (bytes) of the tensors one layer keeps for backward per micro-batch on one rank under
+    the ``torch`` engine on a GPU (activations.py's list): two norm inputs and the Q and attention
+    outputs (sequence-sharded by t·c with SP, by c without), the gathered attention and MLP inputs (by c),
+    K and V (full sequence under all-gather context parallelism, by t) and the four SwiGLU tensors (by
+    t·c). Full recomputation keeps the layer's input only. ``autocast``
+    (:func:`~harness.estimate.activations.torch_autocast`): the norms keep FP32 tensors."""
+    e = elem_bytes(t.precision)
+    tc, c = p.tp * p.cp, p.cp
+    sbh = t.seq_len * t.micro_batch_size * m.hidden_size
+    sbf = t.seq_len * t.micro_batch_size * m.ffn_hidden_size
+    seq_sharded = sbh * e // (tc if p.sequence_parallel else c)
+    if t.recompute == "full":
+        return (seq_sharded,)
+    norm_e = 4 if autocast else e  # under autocast the residual stream is FP32
+    norms = sbh * norm_e // (tc if p.sequence_parallel else c)
+    kv = sbh * m.num_kv_heads // m.num_heads * e // p.tp
+    return (norms, norms, sbh * e // c, sbh * e // c, sbh * e // tc, sbh * e // tc, kv, kv) + (sbf * e // tc,) * 4
+
+
+def replicated(p: ParallelSpec) -> bool:
+    """The runner's ZeRO-0/1 under pipelining: composable ``replicate`` (FSDP2's machinery), whose
+    gradients are reduced in FP32 buffers on its own stream (harness/runner/parallel/data.py)."""
+    return p.pp > 1 and p.dp * p.cp > 1 and p.zero_stage <= 1
+
+
+def grads_freed_before_step(p: ParallelSpec, t: TrainSpec, stage: int) -> bool:
+    """Whether a rank's per-parameter FP32 gradients are freed before the optimizer step, their blocks
+    cached for its temporaries: ``replicate`` copies them into its reduce buffers, and DDP's gradients
+    accumulated under ``no_sync`` (``states.torch_grads_at_peak``: "kept_and_accumulated") are copied
+    into its buckets by the last micro-batch's backward. Traced (Llama-2-13B cp 4 × dp 2, ZeRO-1,
+    8 micro-batches): the step's 135 MiB temporaries open no segment."""
+    return replicated(p) or torch_grads_at_peak(p, t, stage=stage) == "kept_and_accumulated"
+
+
+def reduce_stream_units(spec: RunSpec, stage: int) -> list[int]:
+    """The FP32 gradient blocks a rank of ``stage`` keeps on the gradient-reduction stream until the
+    optimizer step is done, one per unit (every layer, and the root: embedding, final norm and head;
+    torchtitan's kept head, ``buffers.kept_head``, a unit of its own): ``replicate`` all-reduces each
+    unit's gradients in an FP32 buffer allocated there, FSDP2 (ZeRO-2/3) reduce-scatters them into
+    FP32 shards allocated there, and the gradients the optimizer reads are views of those blocks. None
+    for DDP (its buckets are allocated once, at wrapping) or without data-parallel ranks."""
+    m, p = spec.model, spec.parallel
+    head = kept_head(m, p) if stage == p.pp - 1 else 0
+    units = _reduce_units(m, p.tp, p.pp, stage, p.dp * p.cp, p.zero_stage, head)
+    return [n for n, c in units for _ in range(c)]
+
+
+@lru_cache(maxsize=4096)
+def _reduce_units(m: ModelSpec, tp: int, pp: int, stage: int, shards: int, zero: int, head: int) -> Counts:
+    replicate = pp > 1 and shards > 1 and zero <= 1  # (replicated(), from the degrees)
+    if shards == 1 or not (replicate or zero >= 2):
+        return ()
+    per = 1 if replicate else shards
+    root = non_layer_params(m, stage=stage, pp=pp, tp=tp) - head
+    units: Counter[int] = Counter({4 * -(-layer_params(m, tp=tp) // per): m.num_layers // pp})
+    for n in (root, head):
+        if n:
+            units[4 * -(-n // per)] += 1
+    return _counts(units)
+
+
+def reduce_stream_segments(spec: RunSpec, stage: int) -> int:
+    """What the blocks of :func:`reduce_stream_units` reserve: blocks are cached per stream
+    (``get_pool``), so the compute stream's cache cannot serve them and each opens a segment of its
+    own. Traced: Llama-2-13B tp 2 × pp 2 × dp 2 (``replicate``), twenty 605 MiB segments and one of
+    312 MiB on stream 2, 11.8 GiB of the 14.9 GiB the replay reserved above the allocated peak;
+    Llama-3-8B dp 8 ZeRO-3 (torchtitan's defaults), 32 segments of 106 MiB and two of 252 MiB."""
+    m, p = spec.model, spec.parallel
+    head = kept_head(m, p) if stage == p.pp - 1 else 0
+    units = _reduce_units(m, p.tp, p.pp, stage, p.dp * p.cp, p.zero_stage, head)
+    return sum(c * (_segment(n) if n >= KMIN_LARGE_ALLOC else KLARGE_BUFFER) for n, c in units if n > KSMALL_SIZE)
+
+
+Counts = tuple[tuple[int, int], ...]  # (size in bytes, how many), sizes ascending
+
+
+def _counts(sizes: dict[int, int]) -> Counts:
+    return tuple(sorted((s, n) for s, n in sizes.items() if n > 0))
+
+
+def cached_blocks(spec: RunSpec, stage: int, terms: dict[str, int]) -> Counts:
+    """The free blocks of the large pool when the optimizer step starts: the stage's activations as
+    whole layers of :func:`layer_tensors` (as many as its ``activations`` term holds), each temporary
+    buffer of the forward/backward peak, the compute-dtype parameter copies (``param_copies``: one
+    block per parameter tensor) and, where :func:`grads_freed_before_step`, the FP32 gradients (one
+    block per parameter tensor)."""
+    m, p, t = spec.model, spec.parallel, spec.train
+    layer_blocks, layer_shared, layer_bytes = _layer_blocks(
+        m, p.tp, p.cp, p.sequence_parallel, torch_autocast(p, t), t
+    )
+    copies = round(terms.get("activations", 0) / max(1, layer_bytes))
+    blocks = {size: n * copies for size, n in layer_blocks}
+    shared = layer_shared * copies
+    sizes = [terms.get(k, 0) for k in CACHED_BUFFERS]
+    whole = _parameter_tensors(m, p.tp, p.pp, stage, 1, 0)
+    if grads_freed_before_step(p, t, stage):
+        blocks_of(whole, 4, 1, blocks)
+    if terms.get("param_copies", 0):  # one compute-dtype copy per parameter tensor, as many sets as the term holds
+        sets = max(1, round(terms["param_copies"] / max(1, 2 * sum(n * c for n, c in whole))))
+        blocks_of(whole, 2, sets, blocks)
+    for size in sizes:
+        if size >= KMIN_LARGE_ALLOC:
+            seg = _segment(size)
+            blocks[seg] = blocks.get(seg, 0) + 1
+        elif size > KSMALL_SIZE:
+            shared += size
+    if shared:
+        blocks[KLARGE_BUFFER] = blocks.get(KLARGE_BUFFER, 0) + -(-shared // KLARGE_BUFFER)
+    return _counts(blocks)
+
+
+def blocks_of(tensors: Counts, elem: int, sets: int, blocks: dict[int, int]) -> None:
+    """Add the blocks of ``sets`` copies of ``tensors`` (numel, how many) at ``elem`` bytes each."""
+    for n, c in tensors:
+        size = elem * n
+        if size >= KMIN_LARGE_ALLOC:
+            seg = _segment(size)
+            blocks[seg] = blocks.get(seg, 0) + c * sets
+        elif size > KSMALL_SIZE:  # (one 20 MiB segment each: a bound, such parameters are rare)
+            blocks[KLARGE_BUFFER] = blocks.get(KLARGE_BUFFER, 0) + c * sets
+
+
+@lru_cache(maxsize=4096)
+def _layer_blocks(
+    m: ModelSpec, tp: int, cp: int, sp: bool, autocast: bool, t: TrainSpec
+) -> tuple[Counts, int, int]:
+    """One layer's saved tensors (:func:`layer_tensors`) as (segments, how many), the bytes of those
+    that share 20 MiB segments, and the layer's bytes."""
+    sizes = layer_tensors(m, ParallelSpec(tp=tp, cp=cp, sequence_parallel=sp), t, autocast=autocast)
+    blocks: Counter[int] = Counter(_segment(s) for s in sizes if s >= KMIN_LARGE_ALLOC)
+    return _counts(blocks), sum(s for s in sizes if KSMALL_SIZE < s < KMIN_LARGE_ALLOC), sum(sizes)
+
+
+def parameter_tensors(spec: RunSpec, stage: int) -> Counts:
+    """The parameter tensors (numel, how many) one rank of ``stage`` steps: the embedding, per layer
+    Q, K, V, O, gate, up and down, the head; sharded by dim 0 over the ZeRO-2/3 shards; under ZeRO-1
+    whole tensors, one shard's share of them (``ZeroRedundancyOptimizer`` partitions whole
+    parameters). Norm weights (small-pool requests) are left out."""
+    p = spec.parallel
+    return _parameter_tensors(spec.model, p.tp, p.pp, stage, p.dp * p.cp, p.zero_stage)
+
+
+@lru_cache(maxsize=4096)
+def _parameter_tensors(m: ModelSpec, tp: int, pp: int, stage: int, shards: int, zero: int) -> Counts:
+    h, f = m.hidden_size, m.ffn_hidden_size
+    kv = h // m.num_heads * m.num_kv_heads
+    layers = m.num_layers // pp
+    out: Counter[int] = Counter({h * h // tp: 2 * layers})
+    out[h * kv // tp] += 2 * layers
+    out[h * f // tp] += 3 * layers
+    out[m.vocab_size * h // tp] += (stage == 0) + (stage == pp - 1 and not (m.tie_embeddings and pp == 1))
+    if shards > 1 and zero >= 2:
+        return _counts({-(-n // shards): c for n, c in out.items()})
+    if shards > 1 and zero == 1:
+        return _counts({n: -(-c // shards) for n, c in out.items()})
+    return _counts(out)
+
+
+def step_temporaries(spec: RunSpec, stage: int) -> Counts:
+    """The optimizer step's FP32 temporaries on one rank of ``stage``: one per parameter tensor it
+    steps (:func:`parameter_tensors`), all alive together (``foreach`` returns them as one list)."""
+    return tuple((4 * n, c) for n, c in parameter_tensors(spec, stage))
+
+
+@lru_cache(maxsize=65536)
+def _place(blocks: Counts, requests: Counts) -> int:
+    """Bytes of the segments opened for ``requests`` over the free ``blocks`` by the allocator's rules:
+    best fit (``get_free_block``: the smallest free block at least as large), a remainder over 1 MiB
+    split off and cached (``should_split``), no fit → a new segment (``get_allocation_size``) whose
+    remainder is cached. Requests are placed largest first: ``foreach`` allocates them in parameter
+    order, which can only pack as well or worse, so this is the fewest segments the step opens."""
+    free = dict(blocks)
+    opened = 0
+    for size, count in sorted(requests, reverse=True):
+        if size <= KSMALL_SIZE:
+            continue
+        size = -(-size // KMIN_BLOCK) * KMIN_BLOCK
+        while count:
+            fits = [b for b in free if b >= size and free[b]]
+            if fits:
+                block = min(fits)
+                n = min(count, free[block])
+                free[block] -= n
+            else:
+                block = _segment(size) if size >= KMIN_LARGE_ALLOC else KLARGE_BUFFER
+                n = 1 if block - size >= size else count  # a 20 MiB segment's remainder takes the next
+                opened += block * n
+            count -= n
+            if block - size > KSMALL_SIZE:
+                free[block - size] = free.get(block - size, 0) + n
+    return opened
+
+
+FB_TERMS = ("activations", *CACHED_BUFFERS, "param_copies", "grad_reduce")
+SEGMENT_TERMS = ("reduce_stream", "optimizer_step_segments")
+
+
+def segment_terms(spec: RunSpec, stage: int, terms: dict[str, int]) -> dict[str, int]:
+    """The reserved level's mechanism terms for one stage of the ``torch`` engine on a GPU (bytes). The
+    reserved level they make is
+
+        max(allocated peak, states + forward/backward terms + reduce stream + step's new segments)
+
+    the cache the forward/backward peak leaves on the compute stream, the gradient-reduction stream's
+    segments (:func:`reduce_stream_segments`) and the segments the optimizer step's temporaries open
+    beyond that cache (:func:`cached_blocks`, :func:`step_temporaries`); added to the allocated peak
+    as ``reduce_stream`` first, the rest as ``optimizer_step_segments``, so that they sum to the
+    difference."""
+    fb = sum(terms.get(k, 0) for k in FB_TERMS)
+    step = terms.get("optimizer_step", 0) + terms.get("step_grads", 0)
+    reduce = reduce_stream_segments(spec, stage)
+    opened = 0
+    if terms.get("optimizer_step", 0):  # 0 for megatron's fused Adam, which allocates none
+        opened = _place(cached_blocks(spec, stage, terms), step_temporaries(spec, stage))
+    extra = max(0, fb + reduce + opened - max(fb, step))
+    return {"reduce_stream": min(reduce, extra), "optimizer_step_segments": extra - min(reduce, extra)}
+
+
+def segment_terms_bound(spec: RunSpec, stage: int, terms: dict[str, int]) -> int:
+    """An upper bound of the sum of :func:`segment_terms`: the reduce stream's segments plus a
+    segment of its own for every temporary of the optimizer step (at most 20 MiB above it)."""
+    step = terms.get("optimizer_step", 0)
+    count = sum(c for _, c in step_temporaries(spec, stage)) if step else 0
+    return reduce_stream_segments(spec, stage) + step + count * KLARGE_BUFFER

@@ -1,0 +1,100 @@
+"""The reserved level's mechanism terms (harness/estimate/segments.py) against the fake traces of
+paper-scale points that found them (replayed through harness/alloc; the figures are the segment sizes
+the replay opened), and the allocator rules they apply."""
+
+from __future__ import annotations
+
+from conftest import spec
+
+from harness.estimate import estimate
+from harness.estimate.levels import reserved_terms, reserved_upper_bound
+from harness.estimate.segments import _place, reduce_stream_segments, segment_terms
+
+MiB = 1 << 20
+BF16_PP = {"train_seq_len": 8192, "train_micro_batch_size": 1, "train_num_microbatches": 8, "train_precision": "bf16"}
+
+
+def test_replicate_keeps_each_units_fp32_buffer_on_the_reduce_stream():
+    # Llama-2-13B tp 2 x pp 2 x dp 2 (replicate), stage 0, traced: twenty 605 MiB segments (one per
+    # layer: 158.6 M parameters x 4 B, rounded to 2 MiB) and one of 314 MiB (the embedding) on stream 2.
+    s = spec("llama2_13b", "h100_94gb", parallel_dp=2, parallel_tp=2, parallel_pp=2, **BF16_PP)
+    assert reduce_stream_segments(s, 0) == 20 * 635437056 + 329252864
+
+
+def test_fsdp2_keeps_each_units_fp32_shard_on_the_reduce_stream():
+    # torchtitan's defaults, Llama-3-8B dp 8 ZeRO-3 (kept head), traced: 32 segments of 106 MiB (a
+    # layer's FP32 shard) and two of 252 MiB (the embedding's, the head's) on stream 2.
+    s = spec(
+        "llama3_8b",
+        "h100_80gb",
+        parallel_dp=8,
+        parallel_zero_stage=3,
+        parallel_fsdp_reshard_after_forward="default",
+        train_seq_len=8192,
+        train_precision="bf16",
+        train_recompute="op",
+        train_grad_sync="every_microbatch",
+    )
+    assert reduce_stream_segments(s, 0) == 32 * 111149056 + 2 * 264241152
+    assert estimate(s).reserved_terms()["reduce_stream"] == 32 * 111149056 + 2 * 264241152
+
+
+def test_no_reduce_stream_where_gradients_live_in_ddp_buckets_or_are_not_reduced():
+    assert reduce_stream_segments(spec("llama3_8b", "h100_80gb", parallel_dp=8, parallel_zero_stage=1), 0) == 0
+    assert reduce_stream_segments(spec("llama3_8b", "h100_80gb", parallel_tp=4, parallel_pp=2), 0) == 0
+
+
+def test_optimizer_step_opens_segments_where_no_cached_block_holds_its_temporaries():
+    # Llama-2-13B tp 2 x pp 4, one data-parallel rank: the gradients stay, the 135 MiB FP32 temporaries
+    # of the SwiGLU weights are larger than every activation block (s·b·f/t·2 = 108 MiB). Traced, stage
+    # 0: 20 of its 30 open a 136 MiB segment. The model's cache lacks some of the blocks the trace had
+    # (it opens 26); it must open at least what the trace did and at most all 30.
+    s = spec("llama2_13b", "h100_94gb", parallel_tp=2, parallel_pp=4, **BF16_PP)
+    opened = estimate(s).reserved_terms(estimate(s).stages[0])["optimizer_step_segments"]
+    assert 20 * 136 * MiB <= opened <= 30 * 136 * MiB
+
+
+def test_gradients_freed_before_the_step_hold_its_temporaries():
+    # Llama-2-13B cp 4 x dp 2, ZeRO-1, 8 micro-batches: DDP's no_sync gradients are copied into its
+    # buckets and freed by the last backward; traced, the step opens no segment.
+    s = spec("llama2_13b", "h100_94gb", parallel_dp=2, parallel_cp=4, parallel_zero_stage=1, **BF16_PP)
+    assert estimate(s).reserved_terms()["optimizer_step_segments"] == 0
+
+
+def test_place_applies_best_fit_and_the_split_rule():
+    blocks = ((30 * MiB, 1), (100 * MiB, 1))
+    assert _place(blocks, ((25 * MiB, 1),)) == 0  # best fit: the 30 MiB block, not the 100 MiB one
+    assert _place(blocks, ((25 * MiB, 2), (4 * MiB, 1))) == 0  # the 100 MiB block split; 5 MiB remainders
+    assert _place(blocks, ((120 * MiB + 1, 1),)) == 122 * MiB  # no block fits: a segment rounded to 2 MiB
+    assert _place(blocks, ((5 * MiB, 8),)) == 0  # the 30 MiB block holds six, split by split; 100 MiB the rest
+    assert _place((), ((3 * MiB, 2),)) == 20 * MiB  # below 10 MiB: one 20 MiB segment, shared
+    assert _place((), ((12 * MiB, 3),)) == 3 * 12 * MiB  # 10 MiB and above: a segment each
+    assert _place((), ((512 * 1024, 4),)) == 0  # the small pool is not this cache
+
+
+def test_mechanism_terms_only_for_the_torch_engine_on_a_gpu():
+    gpu = spec("llama2_13b", "h100_94gb", parallel_dp=2, parallel_tp=2, parallel_pp=2, **BF16_PP)
+    for engine in ("megatron", "paper"):
+        terms = estimate(gpu, engine=engine).reserved_terms()
+        assert terms["reduce_stream"] == terms["optimizer_step_segments"] == 0
+    cpu = spec("tiny", parallel_dp=2, parallel_pp=2, train_num_microbatches=2)
+    assert sum(estimate(cpu).reserved_terms().values()) == 0
+
+
+def test_reserved_level_sums_the_terms_and_the_pruned_search_finds_the_worst_stage():
+    for overrides in (
+        {"parallel_dp": 2, "parallel_tp": 2, "parallel_pp": 2},
+        {"parallel_tp": 2, "parallel_pp": 4},
+        {"parallel_tp": 4, "parallel_pp": 4, "parallel_dp": 2, "parallel_virtual_stages": 2, "parallel_pp_schedule": "interleaved_1f1b"},
+        {"parallel_tp": 2, "parallel_pp": 8, "parallel_dp": 2, "parallel_zero_stage": 3},
+    ):
+        s = spec("llama2_13b", "h100_94gb", **overrides, **BF16_PP)
+        est = estimate(s)
+        levels = []
+        for st in est.stages:
+            terms = reserved_terms(s, st.terms, stage=st.stage, engine="torch")
+            levels.append(st.total_bytes + sum(terms.values()))
+            assert reserved_upper_bound(s, st.terms, stage=st.stage) >= levels[-1]
+            assert sum(segment_terms(s, st.stage, st.terms).values()) >= 0
+        assert est.reserved_total_bytes == max(levels)
+        assert est.reserved_worst.stage == levels.index(max(levels))
