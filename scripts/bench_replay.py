@@ -51,10 +51,14 @@ def main() -> None:
         result = replay(events)
         times.append(time.perf_counter() - start)
     median = statistics.median(times)
-    print(f"events: {len(events):,}  peak reserved {result.peak_reserved_bytes / 2**30:.2f} GiB, "
-          f"segments opened {result.num_segments_opened}")
-    print(f"replay: median {median:.2f} s of {args.repeats} ({', '.join(f'{t:.2f}' for t in times)})  "
-          f"= {len(events) / median:,.0f} events/s")
+    print(
+        f"events: {len(events):,}  peak reserved {result.peak_reserved_bytes / 2**30:.2f} GiB, "
+        f"segments opened {result.num_segments_opened}"
+    )
+    print(
+        f"replay: median {median:.2f} s of {args.repeats} ({', '.join(f'{t:.2f}' for t in times)})  "
+        f"= {len(events) / median:,.0f} events/s"
+    )
     print(f"target: 1,000,000 events in < 10 s → {'met' if median * 1e6 / len(events) < 10 else 'NOT met'}")
 
 

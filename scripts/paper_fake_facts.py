@@ -85,8 +85,15 @@ def reserved_level(f: pd.DataFrame, data, replayed: np.ndarray) -> None:
     rows recorded it when they were traced (``est_reserved_total_bytes``: that day's engine) and as
     today's engine computes it, with its mechanism terms (harness/estimate/segments.py)."""
     today = np.array([estimate(s, engine="torch").reserved_total_bytes for s in data.specs], dtype=float)
-    print("   torch engine's reserved level against the replayed reserved peak: median, p95 |err|, worst under, under")
-    columns = [("recorded", f["est_reserved_total_bytes"].to_numpy(dtype=float))] if "est_reserved_total_bytes" in f else []
+    print(
+        "   torch engine's reserved level against the replayed reserved peak: "
+        "median, p95 |err|, worst under, under"
+    )
+    columns = (
+        [("recorded", f["est_reserved_total_bytes"].to_numpy(dtype=float))]
+        if "est_reserved_total_bytes" in f
+        else []
+    )
     for label, level in [*columns, ("today", today)]:
         err = (level - replayed) / replayed
         print(

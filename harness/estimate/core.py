@@ -66,7 +66,10 @@ class Estimate:
         ``plan`` asks every candidate for its device level."""
         # Stages in order of a cheap upper bound of their reserved level; one whose bound is below the
         # best exact level found cannot be the worst (pipeline stages: most are never computed).
-        bounds = [(levels.reserved_upper_bound(self.spec, s.terms, stage=s.stage, engine=self.engine), s) for s in self.stages]
+        bounds = [
+            (levels.reserved_upper_bound(self.spec, s.terms, stage=s.stage, engine=self.engine), s)
+            for s in self.stages
+        ]
         best = None
         for bound, s in sorted(bounds, key=lambda b: (-b[0], b[1].stage)):
             if best is not None and bound < best[2]:

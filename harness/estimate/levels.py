@@ -55,7 +55,9 @@ def communicators(spec: RunSpec) -> int:
     return 1 + axes + (p.dp > 1 and p.cp > 1)
 
 
-def reserved_terms(spec: RunSpec, terms: dict[str, int], *, stage: int = 0, engine: str = "torch") -> dict[str, int]:
+def reserved_terms(
+    spec: RunSpec, terms: dict[str, int], *, stage: int = 0, engine: str = "torch"
+) -> dict[str, int]:
     """The reserved level's own terms for one stage (bytes): the rounding of the single buffers'
     segments, and for the ``torch`` engine (the runner's data-parallel wrappers and ``foreach`` AdamW)
     the segments of the gradient-reduction stream and those the optimizer step opens beyond the
@@ -72,7 +74,9 @@ def reserved_terms(spec: RunSpec, terms: dict[str, int], *, stage: int = 0, engi
     return out
 
 
-def reserved_upper_bound(spec: RunSpec, terms: dict[str, int], *, stage: int = 0, engine: str = "torch") -> int:
+def reserved_upper_bound(
+    spec: RunSpec, terms: dict[str, int], *, stage: int = 0, engine: str = "torch"
+) -> int:
     """At least the stage's reserved level (allocated peak plus :func:`reserved_terms`), cheaply: the
     mechanism terms bounded by the reduce stream's segments plus a segment for every temporary of the
     optimizer step (:func:`~harness.estimate.segments.segment_terms_bound`)."""

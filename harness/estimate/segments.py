@@ -72,7 +72,9 @@ def layer_tensors(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast: bool
     norm_e = 4 if autocast else e  # under autocast the residual stream is FP32
     norms = sbh * norm_e // (tc if p.sequence_parallel else c)
     kv = sbh * m.num_kv_heads // m.num_heads * e // p.tp
-    return (norms, norms, sbh * e // c, sbh * e // c, sbh * e // tc, sbh * e // tc, kv, kv) + (sbf * e // tc,) * 4
+    return (norms, norms, sbh * e // c, sbh * e // c, sbh * e // tc, sbh * e // tc, kv, kv) + (
+        sbf * e // tc,
+    ) * 4
 
 
 def replicated(p: ParallelSpec) -> bool:
@@ -126,7 +128,9 @@ def reduce_stream_segments(spec: RunSpec, stage: int) -> int:
     m, p = spec.model, spec.parallel
     head = kept_head(m, p) if stage == p.pp - 1 else 0
     units = _reduce_units(m, p.tp, p.pp, stage, p.dp * p.cp, p.zero_stage, head)
-    return sum(c * (_segment(n) if n >= KMIN_LARGE_ALLOC else KLARGE_BUFFER) for n, c in units if n > KSMALL_SIZE)
+    return sum(
+        c * (_segment(n) if n >= KMIN_LARGE_ALLOC else KLARGE_BUFFER) for n, c in units if n > KSMALL_SIZE
+    )
 
 
 Counts = tuple[tuple[int, int], ...]  # (size in bytes, how many), sizes ascending
@@ -153,7 +157,9 @@ def cached_blocks(spec: RunSpec, stage: int, terms: dict[str, int]) -> Counts:
     whole = _parameter_tensors(m, p.tp, p.pp, stage, 1, 0)
     if grads_freed_before_step(p, t, stage):
         blocks_of(whole, 4, 1, blocks)
-    if terms.get("param_copies", 0):  # one compute-dtype copy per parameter tensor, as many sets as the term holds
+    if terms.get(
+        "param_copies", 0
+    ):  # one compute-dtype copy per parameter tensor, as many sets as the term holds
         sets = max(1, round(terms["param_copies"] / max(1, 2 * sum(n * c for n, c in whole))))
         blocks_of(whole, 2, sets, blocks)
     for size in sizes:

@@ -11,7 +11,12 @@ from harness.estimate.levels import reserved_terms, reserved_upper_bound
 from harness.estimate.segments import _place, reduce_stream_segments, segment_terms
 
 MiB = 1 << 20
-BF16_PP = {"train_seq_len": 8192, "train_micro_batch_size": 1, "train_num_microbatches": 8, "train_precision": "bf16"}
+BF16_PP = {
+    "train_seq_len": 8192,
+    "train_micro_batch_size": 1,
+    "train_num_microbatches": 8,
+    "train_precision": "bf16",
+}
 
 
 def test_replicate_keeps_each_units_fp32_buffer_on_the_reduce_stream():
@@ -40,7 +45,9 @@ def test_fsdp2_keeps_each_units_fp32_shard_on_the_reduce_stream():
 
 
 def test_no_reduce_stream_where_gradients_live_in_ddp_buckets_or_are_not_reduced():
-    assert reduce_stream_segments(spec("llama3_8b", "h100_80gb", parallel_dp=8, parallel_zero_stage=1), 0) == 0
+    assert (
+        reduce_stream_segments(spec("llama3_8b", "h100_80gb", parallel_dp=8, parallel_zero_stage=1), 0) == 0
+    )
     assert reduce_stream_segments(spec("llama3_8b", "h100_80gb", parallel_tp=4, parallel_pp=2), 0) == 0
 
 
@@ -66,7 +73,9 @@ def test_place_applies_best_fit_and_the_split_rule():
     assert _place(blocks, ((25 * MiB, 1),)) == 0  # best fit: the 30 MiB block, not the 100 MiB one
     assert _place(blocks, ((25 * MiB, 2), (4 * MiB, 1))) == 0  # the 100 MiB block split; 5 MiB remainders
     assert _place(blocks, ((120 * MiB + 1, 1),)) == 122 * MiB  # no block fits: a segment rounded to 2 MiB
-    assert _place(blocks, ((5 * MiB, 8),)) == 0  # the 30 MiB block holds six, split by split; 100 MiB the rest
+    assert (
+        _place(blocks, ((5 * MiB, 8),)) == 0
+    )  # the 30 MiB block holds six, split by split; 100 MiB the rest
     assert _place((), ((3 * MiB, 2),)) == 20 * MiB  # below 10 MiB: one 20 MiB segment, shared
     assert _place((), ((12 * MiB, 3),)) == 3 * 12 * MiB  # 10 MiB and above: a segment each
     assert _place((), ((512 * 1024, 4),)) == 0  # the small pool is not this cache
@@ -85,7 +94,13 @@ def test_reserved_level_sums_the_terms_and_the_pruned_search_finds_the_worst_sta
     for overrides in (
         {"parallel_dp": 2, "parallel_tp": 2, "parallel_pp": 2},
         {"parallel_tp": 2, "parallel_pp": 4},
-        {"parallel_tp": 4, "parallel_pp": 4, "parallel_dp": 2, "parallel_virtual_stages": 2, "parallel_pp_schedule": "interleaved_1f1b"},
+        {
+            "parallel_tp": 4,
+            "parallel_pp": 4,
+            "parallel_dp": 2,
+            "parallel_virtual_stages": 2,
+            "parallel_pp_schedule": "interleaved_1f1b",
+        },
         {"parallel_tp": 2, "parallel_pp": 8, "parallel_dp": 2, "parallel_zero_stage": 3},
     ):
         s = spec("llama2_13b", "h100_94gb", **overrides, **BF16_PP)
