@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ from harness.analysis.profile import (
     fitted_on,
     peak_terms,
 )
-from harness.estimate import TERMS, estimate
+from harness.estimate import TERMS, estimate, levels
 from harness.spec import InvalidSpec, RunSpec, from_flat
 
 ESTIMATORS = (*ENGINES_COMPARED, "calibrated")
@@ -135,6 +135,9 @@ class Dataset:
     terms: dict[str, pd.DataFrame]  # engine -> peak terms (bytes) per run, one column per TERMS
     raw_bytes: dict[str, np.ndarray]  # engine -> the engine's own estimate (max over stages)
     specs: list[RunSpec]
+    # engine -> the reserved level's mechanism terms at the worst stage (bytes per run; 0 on the CPU):
+    # what the fitted fragmentation comes on top of (harness/analysis/fragmentation.py)
+    mechanism: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def measured(self) -> np.ndarray:
@@ -170,12 +173,13 @@ def prepare(frame: pd.DataFrame) -> Dataset:
             bad.append(f"row {i} ({row.get('config_id')}): {exc}")
     if bad:
         raise CalibrationError("cannot rebuild the spec of some runs: " + "; ".join(bad[:3]))
-    terms, raw = {}, {}
+    terms, raw, mechanism = {}, {}, {}
     for engine in ENGINES_COMPARED:
         ests = [estimate(s, engine=engine) for s in specs]
         terms[engine] = pd.DataFrame([peak_terms(e.worst.terms) for e in ests], columns=list(TERMS))
         raw[engine] = np.array([e.total_bytes for e in ests], dtype=float)
-    return Dataset(runs, terms, raw, specs)
+        mechanism[engine] = np.array([levels.mechanism_bytes(e) for e in ests], dtype=float)
+    return Dataset(runs, terms, raw, specs, mechanism)
 
 
 def groups_of(data: Dataset, group_by: str) -> np.ndarray:
@@ -239,7 +243,13 @@ def evaluate(frame: pd.DataFrame, *, engine: str = "torch", group_by: str = "wor
     predictions["calibrated"] = held_out
     metrics = {name: accuracy(data, predictions[name]) for name in ESTIMATORS}
     reserved = frag.evaluate_reserved(
-        data.frame, X, held_out, measured=measured, groups=groups, capacity=data.capacity
+        data.frame,
+        X,
+        held_out,
+        measured=measured,
+        groups=groups,
+        capacity=data.capacity,
+        mechanism=data.mechanism.get(engine),
     )
     fragmentation = None
     if reserved is not None:

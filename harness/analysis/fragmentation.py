@@ -2,7 +2,12 @@
 reserved peak — measured on CUDA (``peak_reserved_bytes``) or replayed through the caching-allocator
 model from a CPU run's own trace (``sim_peak_reserved_bytes``, harness/alloc).
 
-    reserved - allocated ~ a x transient + b x states + c        (a, b, c >= 0)
+    reserved - allocated - mechanism ~ a x transient + b x states + c        (a, b, c >= 0)
+
+``mechanism`` is what the estimator's reserved level already derives from the caching allocator's
+rules (harness/estimate/segments.py: segment rounding, the gradient-reduction stream's segments, the
+optimizer step's new segments; 0 on the CPU and for profiles fitted before it existed, whose
+``fragmentation`` section has no ``over_mechanism``): the fit learns only what those rules leave.
 
 ``states`` are the estimate's parameters, gradients and optimizer state: allocated once, they leave few
 holes; ``transient`` is the rest of the estimated peak (activations and temporary buffers), freed and
@@ -81,6 +86,7 @@ class FragmentationModel(RegressorMixin, BaseEstimator):
             "per_transient_byte": round(float(self.coef_[0]), 6),
             "per_state_byte": round(float(self.coef_[1]), 6),
             "constant_bytes": round(self.constant_bytes_),
+            "over_mechanism": True,
             "target": target,
             "summary": self.describe(),
             "fitted_runs": self.n_fit_,
@@ -128,6 +134,7 @@ def evaluate_reserved(
     measured: np.ndarray,
     groups: np.ndarray,
     capacity: np.ndarray,
+    mechanism: np.ndarray | None = None,
 ) -> ReservedFit | None:
     """Fit the fragmentation on every run with a reserved peak and judge, held out by ``groups``, the
     reserved level ``allocated_held_out + fragmentation`` against it: median and 95th-percentile APE,
@@ -140,12 +147,14 @@ def evaluate_reserved(
     X = features(terms)
     allocated = frame["peak_allocated_bytes"].to_numpy(dtype=float)
     extra = reserved - allocated
+    mech = np.zeros(len(frame)) if mechanism is None else np.asarray(mechanism, dtype=float)
+    left = extra - mech  # what the allocator's rules in the estimator do not derive
     held = np.full(len(frame), np.nan)
     idx = np.flatnonzero(rows)
     for train, test in GroupKFold(n_splits=min(5, len(set(groups[rows])))).split(idx, groups=groups[idx]):
-        m = FragmentationModel().fit(X.iloc[idx[train]], extra[idx[train]])
-        held[idx[test]] = allocated_held_out[idx[test]] + m.predict(X.iloc[idx[test]])
-    final = FragmentationModel().fit(X.iloc[idx], extra[idx])
+        m = FragmentationModel().fit(X.iloc[idx[train]], left[idx[train]])
+        held[idx[test]] = allocated_held_out[idx[test]] + mech[idx[test]] + m.predict(X.iloc[idx[test]])
+    final = FragmentationModel().fit(X.iloc[idx], left[idx])
     err = (held[rows] - reserved[rows]) / reserved[rows]
     util = held / capacity
     over = rows & (reserved > capacity)  # would have run out at the reserved level

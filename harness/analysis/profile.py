@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import __version__
-from harness.estimate import TERMS
+from harness.estimate import TERMS, levels
 from harness.estimate.core import Estimate
 from harness.estimate.params import total_params
 from harness.estimate.terms import STATE_TERMS, STEP_TERMS
@@ -85,26 +85,32 @@ class Profile:
         pt = peak_terms(terms)
         return sum(c * pt[k] for k, c in self.coefficients.items()) + self.constant_bytes
 
-    def stage_reserved_bytes(self, terms: dict[str, int]) -> float | None:
+    def stage_reserved_bytes(self, terms: dict[str, int], mechanism: float = 0.0) -> float | None:
         """The calibrated reserved level of one stage: allocated plus the fitted fragmentation
-        (harness/analysis/fragmentation.py); None when the profile has no fragmentation fit."""
+        (harness/analysis/fragmentation.py), over the estimate's ``mechanism`` terms where the fit was
+        made over them (``over_mechanism``); None when the profile has no fragmentation fit."""
         f = self.fragmentation
         if not f:
             return None
         alloc = self.stage_bytes(terms)
+        mech = mechanism if f.get("over_mechanism") else 0.0
         if "per_transient_byte" not in f:  # the earlier form: a share of the allocated peak
-            return alloc + alloc * f["per_allocated_byte"] + f["constant_bytes"]
+            return alloc + mech + alloc * f["per_allocated_byte"] + f["constant_bytes"]
         pt = peak_terms(terms)
         states = sum(self.coefficients[k] * pt[k] for k in STATE_TERMS)
         transient = alloc - states
         return (
-            alloc + f["per_transient_byte"] * transient + f["per_state_byte"] * states + f["constant_bytes"]
+            alloc
+            + mech
+            + f["per_transient_byte"] * transient
+            + f["per_state_byte"] * states
+            + f["constant_bytes"]
         )
 
     def reserved_bytes(self, est: Estimate) -> int | None:
         """The calibrated reserved peak: the fitted fragmentation over every stage, then the max (None
         without a fragmentation fit)."""
-        values = [self.stage_reserved_bytes(s.terms) for s in est.stages]
+        values = [self.stage_reserved_bytes(s.terms, levels.mechanism_bytes(est, s)) for s in est.stages]
         return None if values[0] is None else round(max(values))
 
     def total_bytes(self, est: Estimate) -> int:
@@ -245,6 +251,10 @@ def load_profile(path: str | Path) -> Profile:
             if "per_transient_byte" in frag
             else ("per_allocated_byte",)
         )
+        if not isinstance(frag.get("over_mechanism", False), bool):
+            raise CalibrationError(
+                f"calibration profile {path}: fragmentation.over_mechanism must be true or false"
+            )
         frag = {
             **frag,
             **{k: _number(path, f"fragmentation.{k}", frag.get(k), 0.0, MAX_FRAGMENTATION) for k in shares},

@@ -370,9 +370,20 @@ def _fragmentation_lines(frag: dict | None) -> str:
     safe = (
         "none ran out at the reserved level" if h["safe_threshold"] is None else f"{h['safe_threshold']:.1%}"
     )
+    over = " − mechanism" if frag.get("over_mechanism") else ""
+    level = (
+        "calibrated allocated + mechanism + fragmentation" if over else "calibrated allocated + fragmentation"
+    )
     return (
-        f"Fragmentation (reserved − allocated, {source}; {h['runs']} runs): `reserved − allocated ≈ "
-        f"{frag['summary']}`. At the reserved level (calibrated allocated + fragmentation, held out): "
+        f"Fragmentation (reserved − allocated, {source}; {h['runs']} runs): `reserved − allocated{over} ≈ "
+        f"{frag['summary']}`"
+        + (
+            " (mechanism: the estimator's reserved terms derived from the allocator's rules, "
+            "harness/estimate/segments.py; 0 on the CPU)"
+            if over
+            else ""
+        )
+        + f". At the reserved level ({level}, held out): "
         f"median APE {h['median_ape']:.2%}, p95 {h['p95_ape']:.2%}, worst under-prediction "
         f"{h['max_under_prediction']:.2%}; safe threshold against reserved {safe}. The median run's "
         f"reserved peak is {h['median_fragmentation_share']:.1%} fragmentation."

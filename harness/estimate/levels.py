@@ -88,6 +88,14 @@ def reserved_upper_bound(
     return out + (segment_terms_bound(spec, stage, terms) if engine == "torch" else 0)
 
 
+def mechanism_bytes(est, stage=None) -> int:
+    """The reserved level's derived terms of ``stage`` of an :class:`~harness.estimate.core.Estimate`
+    (default: its allocated worst): every reserved term but the cuBLAS workspace. What a calibration
+    profile's fitted fragmentation comes on top of (``fragmentation.over_mechanism``)."""
+    terms = est.reserved_terms(est.worst if stage is None else stage)
+    return sum(v for k, v in terms.items() if k != "cublas_workspace")
+
+
 # NCCL's buffers per channel and connection besides NCCL_BUFFSIZE's SIMPLE buffer: the LL and LL128
 # protocols' (0.5 + 4.69 MiB), all of it mapped in 2 MiB cuMem granules (NVIDIA/nccl#1685 logs
 # 10,485,760 B a channel at the default 4 MiB: 4 + 0.5 + 4.69 rounded up to 10 MiB).
