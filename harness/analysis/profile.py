@@ -10,9 +10,11 @@ parameter counts, torch versions): applying it outside that prints a one-line wa
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import math
+import operator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,8 @@ from harness import __version__
 from harness.estimate import TERMS, levels
 from harness.estimate.core import Estimate
 from harness.estimate.params import total_params
+from harness.estimate.steptime import TERMS as STEP_TIME_TERMS
+from harness.estimate.steptime import StepTimeModel
 from harness.estimate.terms import STATE_TERMS, STEP_TERMS
 from harness.spec import RunSpec
 
@@ -36,14 +40,23 @@ class CalibrationError(ValueError):
     """A profile that cannot be used here, or data a fit cannot be made from; the message says why."""
 
 
+_FWD = tuple(k for k in TERMS if k not in STATE_TERMS and k not in STEP_TERMS)
+_FWD_SET, _STEP_SET = frozenset(_FWD), frozenset(STEP_TERMS)
+
+
 def peak_terms(terms: dict[str, int]) -> dict[str, int]:
     """The terms that make up the estimator's peak: states plus the larger of the forward/backward
     branch and the optimizer-step branch (core.peak_bytes); the other branch is zeroed, so that the
     terms sum to the estimate and a coefficient scales only what is in the peak."""
-    fwd = [k for k in TERMS if k not in STATE_TERMS and k not in STEP_TERMS]
-    step_wins = sum(terms[k] for k in STEP_TERMS) > sum(terms[k] for k in fwd)
-    drop = set(fwd) if step_wins else set(STEP_TERMS)
-    return {k: (0 if k in drop else int(terms[k])) for k in TERMS}
+    return dict(zip(TERMS, _peak_values(terms), strict=True))
+
+
+def _peak_values(terms: dict[str, int]) -> list[int]:
+    """:func:`peak_terms`'s values in TERMS order."""
+    get = terms.__getitem__
+    step_wins = sum(map(get, STEP_TERMS)) > sum(map(get, _FWD))
+    drop = _FWD_SET if step_wins else _STEP_SET
+    return [0 if k in drop else int(terms[k]) for k in TERMS]
 
 
 def torch_version() -> str | None:
@@ -82,36 +95,59 @@ class Profile:
 
     def stage_bytes(self, terms: dict[str, int]) -> float:
         """The calibrated allocated level of one stage."""
-        pt = peak_terms(terms)
-        return sum(c * pt[k] for k, c in self.coefficients.items()) + self.constant_bytes
+        return sum(map(operator.mul, self._vectors[0], _peak_values(terms))) + self.constant_bytes
+
+    @functools.cached_property
+    def _vectors(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """The coefficients in TERMS order, and the same with only the states' (``plan`` applies a
+        profile to every stage of tens of thousands of candidates)."""
+        every = tuple(self.coefficients.get(k, 0.0) for k in TERMS)
+        return every, tuple(c if k in STATE_TERMS else 0.0 for k, c in zip(TERMS, every, strict=True))
 
     def stage_reserved_bytes(self, terms: dict[str, int], mechanism: float = 0.0) -> float | None:
         """The calibrated reserved level of one stage: allocated plus the fitted fragmentation
         (harness/analysis/fragmentation.py), over the estimate's ``mechanism`` terms where the fit was
         made over them (``over_mechanism``); None when the profile has no fragmentation fit."""
+        base = self._stage_reserved_base(terms)
+        if base is None:
+            return None
+        return base + (mechanism if self.fragmentation.get("over_mechanism") else 0.0)
+
+    def _stage_reserved_base(self, terms: dict[str, int]) -> float | None:
+        """:meth:`stage_reserved_bytes` without the mechanism terms."""
         f = self.fragmentation
         if not f:
             return None
-        alloc = self.stage_bytes(terms)
-        mech = mechanism if f.get("over_mechanism") else 0.0
+        values = _peak_values(terms)
+        every, states_only = self._vectors
+        alloc = sum(map(operator.mul, every, values)) + self.constant_bytes
         if "per_transient_byte" not in f:  # the earlier form: a share of the allocated peak
-            return alloc + mech + alloc * f["per_allocated_byte"] + f["constant_bytes"]
-        pt = peak_terms(terms)
-        states = sum(self.coefficients[k] * pt[k] for k in STATE_TERMS)
+            return alloc + alloc * f["per_allocated_byte"] + f["constant_bytes"]
+        states = sum(map(operator.mul, states_only, values))
         transient = alloc - states
         return (
-            alloc
-            + mech
-            + f["per_transient_byte"] * transient
-            + f["per_state_byte"] * states
-            + f["constant_bytes"]
+            alloc + f["per_transient_byte"] * transient + f["per_state_byte"] * states + f["constant_bytes"]
         )
 
     def reserved_bytes(self, est: Estimate) -> int | None:
         """The calibrated reserved peak: the fitted fragmentation over every stage, then the max (None
         without a fragmentation fit)."""
-        values = [self.stage_reserved_bytes(s.terms, levels.mechanism_bytes(est, s)) for s in est.stages]
-        return None if values[0] is None else round(max(values))
+        if not self.fragmentation:
+            return None
+        bases = [(self._stage_reserved_base(s.terms), s) for s in est.stages]
+        if not self.fragmentation.get("over_mechanism"):
+            return round(max(b for b, _ in bases))
+        if len(bases) == 1:
+            return round(bases[0][0] + levels.mechanism_bytes(est, bases[0][1]))
+        # Stages in order of a cheap upper bound (the mechanism terms bounded); exact where it can matter.
+        bounds = sorted(((b + est.reserved_terms_bound(s), b, s) for b, s in bases), key=lambda x: -x[0])
+        best = None
+        for bound, base, s in bounds:
+            if best is not None and bound < best:
+                break
+            value = base + levels.mechanism_bytes(est, s)
+            best = value if best is None else max(best, value)
+        return round(best)
 
     def total_bytes(self, est: Estimate) -> int:
         """The calibrated peak of a configuration: the profile applied to every stage, then the max."""
@@ -290,4 +326,57 @@ def load_profile(path: str | Path) -> Profile:
         fitted_on=_fitted_on(path, data.get("fitted_on") or {}),
         safe_threshold=safe,
         extra={k: v for k, v in data.items() if k not in known},
+    )
+
+
+def load_step_time(path: str | Path) -> StepTimeModel | None:
+    """The ``step_time`` section of a calibration profile as a model, None when it has none (a profile
+    fitted before issue 17, or on runs without step times)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CalibrationError(f"calibration profile {path} is not readable JSON: {exc}") from None
+    section = data.get("step_time") if isinstance(data, dict) else None
+    if not section:
+        return None
+    where = f"calibration profile {path}: step_time"
+    if not isinstance(section, dict):
+        raise CalibrationError(f"{where} is not an object: refit it with harness calibrate")
+    # Every field checked here (issue 29: a constant_s of -1e30 ranked layouts at -1e30 s, and other
+    # malformed fields were tracebacks).
+    constant = section.get("constant_s")
+    if (
+        isinstance(constant, bool)
+        or not isinstance(constant, int | float)
+        or not math.isfinite(constant)
+        or constant < 0
+    ):
+        raise CalibrationError(f"{where}.constant_s={constant!r} must be a finite number of seconds >= 0")
+    if not isinstance(section.get("device"), str):
+        raise CalibrationError(f"{where}.device={section.get('device')!r} must be a device preset's name")
+    cores = section.get("cpu_cores")
+    if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
+        raise CalibrationError(f"{where}.cpu_cores={cores!r} must be a whole number >= 1 (or null)")
+    for key in ("unfitted", "precisions"):
+        value = section.get(key)
+        if value is not None and (not isinstance(value, list) or not all(isinstance(v, str) for v in value)):
+            raise CalibrationError(f"{where}.{key}={value!r} must be a list of names")
+    coefs = section.get("coefficients") or {}
+    if not isinstance(coefs, dict):
+        raise CalibrationError(f"{where}.coefficients must be an object of term: seconds per unit")
+    changed = sorted(set(coefs) ^ set(STEP_TIME_TERMS))  # a term added or renamed since the fit
+    bad = [k for k, v in coefs.items() if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0)]
+    if changed or bad:
+        raise CalibrationError(
+            f"calibration profile {path}: step_time terms {changed or bad} are not this harness's "
+            "or not finite numbers >= 0: refit it with harness calibrate"
+        )
+    cores = section.get("cpu_cores")
+    return StepTimeModel(
+        {k: float(v) for k, v in coefs.items()},
+        float(section["constant_s"]),
+        str(section["device"]),
+        int(cores) if cores else None,
+        tuple(section.get("unfitted") or ()),
+        tuple(section.get("precisions") or ()),
     )

@@ -5,10 +5,8 @@ No torch here; scikit-learn for the regression and the grouped folds."""
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,9 +17,7 @@ from sklearn.model_selection import GroupKFold
 from sklearn.utils.validation import check_is_fitted
 
 from harness.analysis.calibrate import GROUPINGS
-from harness.analysis.profile import (
-    CalibrationError,
-)
+from harness.analysis.profile import CalibrationError
 from harness.estimate.steptime import TERMS as STEP_TIME_TERMS
 from harness.estimate.steptime import StepTimeModel
 from harness.estimate.steptime import terms_of as step_terms_of
@@ -207,56 +203,3 @@ def step_time_section(ev: StepTimeEvaluation) -> dict[str, Any]:
             for g in ev.metrics["groups"]
         ],
     }
-
-
-def load_step_time(path: str | Path) -> StepTimeModel | None:
-    """The ``step_time`` section of a calibration profile as a model, None when it has none (a profile
-    fitted before issue 17, or on runs without step times)."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CalibrationError(f"calibration profile {path} is not readable JSON: {exc}") from None
-    section = data.get("step_time") if isinstance(data, dict) else None
-    if not section:
-        return None
-    where = f"calibration profile {path}: step_time"
-    if not isinstance(section, dict):
-        raise CalibrationError(f"{where} is not an object: refit it with harness calibrate")
-    # Every field checked here (issue 29: a constant_s of -1e30 ranked layouts at -1e30 s, and other
-    # malformed fields were tracebacks).
-    constant = section.get("constant_s")
-    if (
-        isinstance(constant, bool)
-        or not isinstance(constant, int | float)
-        or not math.isfinite(constant)
-        or constant < 0
-    ):
-        raise CalibrationError(f"{where}.constant_s={constant!r} must be a finite number of seconds >= 0")
-    if not isinstance(section.get("device"), str):
-        raise CalibrationError(f"{where}.device={section.get('device')!r} must be a device preset's name")
-    cores = section.get("cpu_cores")
-    if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
-        raise CalibrationError(f"{where}.cpu_cores={cores!r} must be a whole number >= 1 (or null)")
-    for key in ("unfitted", "precisions"):
-        value = section.get(key)
-        if value is not None and (not isinstance(value, list) or not all(isinstance(v, str) for v in value)):
-            raise CalibrationError(f"{where}.{key}={value!r} must be a list of names")
-    coefs = section.get("coefficients") or {}
-    if not isinstance(coefs, dict):
-        raise CalibrationError(f"{where}.coefficients must be an object of term: seconds per unit")
-    changed = sorted(set(coefs) ^ set(STEP_TIME_TERMS))  # a term added or renamed since the fit
-    bad = [k for k, v in coefs.items() if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0)]
-    if changed or bad:
-        raise CalibrationError(
-            f"calibration profile {path}: step_time terms {changed or bad} are not this harness's "
-            "or not finite numbers >= 0: refit it with harness calibrate"
-        )
-    cores = section.get("cpu_cores")
-    return StepTimeModel(
-        {k: float(v) for k, v in coefs.items()},
-        float(section["constant_s"]),
-        str(section["device"]),
-        int(cores) if cores else None,
-        tuple(section.get("unfitted") or ()),
-        tuple(section.get("precisions") or ()),
-    )

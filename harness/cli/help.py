@@ -76,8 +76,8 @@ MEANINGS: dict[str, str] = {
     "threshold": "a ratio in (0, 1]: the device level at or below which a configuration fits (0.8 = 80 %)",
     "explain": "true: a glossary of the table's rows and columns under it",
     "results_dir": "where sweep and run write rows, and calibrate/report read them",
-    "calibration": "PATH of a calibration profile (from calibrate): estimate/plan add the calibrated peaks; "
-    "plan ranks by its fitted step time",
+    "calibration": "auto (GPU devices: the committed paper-scale profile; CPU: none) | none | PATH of a "
+    "profile (from calibrate): estimate/plan add the calibrated peaks; plan ranks by its fitted step time",
     # calibrate / report
     "calibrate.group_by": "held-out runs are new: world (sizes) | model | layout (tp-pp-cp)",
     "calibrate.profile": "where calibrate writes the profile (null: <results_dir>/calibration.json)",

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from harness.cli.config import compose, gpu_scale_defaults, run_spec
+from harness.cli.config import compose, engine_name, gpu_scale_defaults, run_spec
 
 
 def output_settings(cfg: dict) -> tuple[str, float]:
@@ -70,13 +72,60 @@ def compose_scaled(overrides: Sequence[str]) -> dict:
     return cfg
 
 
+# The committed profile a GPU preset gets by default (issue 32 item 4): fitted on the 300 fake-traced
+# points of the paper's H100 grid (7B-70B, BF16), its fragmentation on top of the estimator's
+# mechanism terms. Fake traces do not depend on the card, so it applies to every GPU preset; its
+# learned safe threshold only to h100_94gb (output_settings). Found beside the package (a checkout or an
+# editable install); elsewhere there is none, and a note says so.
+DEFAULT_GPU_PROFILE = "results/paper_fake/h100_94gb/calibration.json"
+OFF = ("none", "null", "off", "false")
+
+
+def calibration_of_config(cfg: dict) -> tuple[str | None, bool]:
+    """(the profile path ``calibration=`` names, whether it is the GPU presets' default). ``auto``
+    (the default): :data:`DEFAULT_GPU_PROFILE` for a GPU device and the ``torch`` engine, nothing on
+    the CPU or for another engine; ``none`` turns it off."""
+    value = cfg.get("calibration")
+    if value is None or value is False or str(value).lower() in OFF:
+        return None, False
+    if str(value) != "auto":
+        return str(value), False
+    device = str((cfg.get("device") or {}).get("name"))
+    if device == "cpu" or engine_name(cfg) != "torch":
+        return None, False
+    path = Path(__file__).resolve().parents[2] / DEFAULT_GPU_PROFILE
+    if not path.is_file():
+        warn_once(f"note: no default calibration for GPU presets ({DEFAULT_GPU_PROFILE} is not installed)")
+        return None, False
+    return str(path), True
+
+
 def profile_of_config(cfg: dict):
-    """The calibration profile named by ``calibration=`` (None when unset)."""
-    if not cfg.get("calibration"):
+    """The calibration profile ``calibration=`` names (None when off, or ``auto`` on the CPU)."""
+    path, default = calibration_of_config(cfg)
+    if path is None:
         return None
     from harness.analysis.profile import load_profile  # no scikit-learn: applying a profile is arithmetic
+    from harness.estimate.params import total_params
 
-    profile = load_profile(cfg["calibration"])
+    profile = load_profile(path)
+    if default:
+        seen = profile.fitted_on
+        low, high = seen.get("model_params") or (0, 0)
+        spec = run_spec(cfg)
+        n = total_params(spec.model)
+        outside = []
+        if not low <= n <= high:
+            outside.append(f"{n / 1e9:.2f} B parameters")
+        if spec.train.precision not in (seen.get("precisions") or [spec.train.precision]):
+            outside.append(spec.train.precision)
+        warn_once(
+            f"note: calibration={DEFAULT_GPU_PROFILE} (the default for GPU presets: fitted on "
+            f"{seen.get('count')} fake-traced points of the paper's grid, {low / 1e9:.1f}-{high / 1e9:.1f} B "
+            "parameters, BF16; calibration=none turns it off)"
+            + (f"; applied outside that: {', '.join(outside)}" if outside else "")
+        )
+        return dataclasses.replace(profile, path=DEFAULT_GPU_PROFILE)
     warning = profile.outside(run_spec(cfg))
     if warning:
         warn_once(f"harness: warning: {warning}")
@@ -90,9 +139,10 @@ def warn_once(line: str) -> None:
 
 
 def step_time_of_config(cfg: dict):
-    """The step-time model of the profile named by ``calibration=`` (None when unset or it has none)."""
-    if not cfg.get("calibration"):
+    """The step-time model of the profile ``calibration=`` names (None when off or it has none)."""
+    path, _ = calibration_of_config(cfg)
+    if path is None:
         return None
-    from harness.analysis.steptime import load_step_time
+    from harness.analysis.profile import load_step_time  # no scikit-learn
 
-    return load_step_time(cfg["calibration"])
+    return load_step_time(path)

@@ -58,7 +58,21 @@ class Estimate:
         """The reserved level's terms (levels.RESERVED_TERMS) of ``stage`` (default: the reserved worst)."""
         if stage is None:
             return dict(self._reserved[1])
-        return levels.reserved_terms(self.spec, stage.terms, stage=stage.stage, engine=self.engine)
+        return dict(self._stage_reserved_terms(stage))
+
+    def _stage_reserved_terms(self, stage: StageEstimate) -> dict[str, int]:
+        """:meth:`reserved_terms` of one stage, computed once per stage (the caller must not change it)."""
+        cache = self.__dict__.setdefault("_reserved_cache", {})
+        if stage.stage not in cache:
+            cache[stage.stage] = levels.reserved_terms(
+                self.spec, stage.terms, stage=stage.stage, engine=self.engine
+            )
+        return cache[stage.stage]
+
+    def reserved_terms_bound(self, stage: StageEstimate) -> int:
+        """At least the sum of ``stage``'s :meth:`reserved_terms`, cheaply (levels.reserved_upper_bound)."""
+        bound = levels.reserved_upper_bound(self.spec, stage.terms, stage=stage.stage, engine=self.engine)
+        return bound - stage.total_bytes
 
     @cached_property
     def _reserved(self) -> tuple[StageEstimate, dict[str, int], int]:
@@ -66,15 +80,16 @@ class Estimate:
         ``plan`` asks every candidate for its device level."""
         # Stages in order of a cheap upper bound of their reserved level; one whose bound is below the
         # best exact level found cannot be the worst (pipeline stages: most are never computed).
-        bounds = [
-            (levels.reserved_upper_bound(self.spec, s.terms, stage=s.stage, engine=self.engine), s)
-            for s in self.stages
-        ]
+        if len(self.stages) == 1:
+            s = self.stages[0]
+            terms = self._stage_reserved_terms(s)
+            return s, terms, s.total_bytes + sum(terms.values())
+        bounds = [(s.total_bytes + self.reserved_terms_bound(s), s) for s in self.stages]
         best = None
         for bound, s in sorted(bounds, key=lambda b: (-b[0], b[1].stage)):
             if best is not None and bound < best[2]:
                 break
-            terms = levels.reserved_terms(self.spec, s.terms, stage=s.stage, engine=self.engine)
+            terms = self._stage_reserved_terms(s)
             total = s.total_bytes + sum(terms.values())
             if best is None or total > best[2] or (total == best[2] and s.stage < best[0].stage):
                 best = (s, terms, total)

@@ -147,22 +147,35 @@ def cached_blocks(spec: RunSpec, stage: int, terms: dict[str, int]) -> Counts:
     block per parameter tensor) and, where :func:`grads_freed_before_step`, the FP32 gradients (one
     block per parameter tensor)."""
     m, p, t = spec.model, spec.parallel, spec.train
-    layer_blocks, layer_shared, layer_bytes = _layer_blocks(
-        m, p.tp, p.cp, p.sequence_parallel, torch_autocast(p, t), t
-    )
-    copies = round(terms.get("activations", 0) / max(1, layer_bytes))
-    blocks = {size: n * copies for size, n in layer_blocks}
-    shared = layer_shared * copies
-    sizes = [terms.get(k, 0) for k in CACHED_BUFFERS]
+    layer = _layer_blocks(m, p.tp, p.cp, p.sequence_parallel, torch_autocast(p, t), t)
+    copies = round(terms.get("activations", 0) / max(1, layer[2]))
     whole = _parameter_tensors(m, p.tp, p.pp, stage, 1, 0)
-    if grads_freed_before_step(p, t, stage):
-        blocks_of(whole, 4, 1, blocks)
+    sets = 0
     if terms.get(
         "param_copies", 0
     ):  # one compute-dtype copy per parameter tensor, as many sets as the term holds
         sets = max(1, round(terms["param_copies"] / max(1, 2 * sum(n * c for n, c in whole))))
+    buffers = tuple(terms.get(k, 0) for k in CACHED_BUFFERS)
+    return _blocks(layer, copies, buffers, whole, grads_freed_before_step(p, t, stage), sets)
+
+
+@lru_cache(maxsize=65536)
+def _blocks(
+    layer: tuple[Counts, int, int],
+    copies: int,
+    buffers: tuple[int, ...],
+    whole: Counts,
+    grads: bool,
+    sets: int,
+) -> Counts:
+    layer_blocks, layer_shared, _ = layer
+    blocks = {size: n * copies for size, n in layer_blocks}
+    shared = layer_shared * copies
+    if grads:
+        blocks_of(whole, 4, 1, blocks)
+    if sets:
         blocks_of(whole, 2, sets, blocks)
-    for size in sizes:
+    for size in buffers:
         if size >= KMIN_LARGE_ALLOC:
             seg = _segment(size)
             blocks[seg] = blocks.get(seg, 0) + 1
@@ -223,7 +236,13 @@ def _parameter_tensors(m: ModelSpec, tp: int, pp: int, stage: int, shards: int, 
 def step_temporaries(spec: RunSpec, stage: int) -> Counts:
     """The optimizer step's FP32 temporaries on one rank of ``stage``: one per parameter tensor it
     steps (:func:`parameter_tensors`), all alive together (``foreach`` returns them as one list)."""
-    return tuple((4 * n, c) for n, c in parameter_tensors(spec, stage))
+    p = spec.parallel
+    return _fp32(_parameter_tensors(spec.model, p.tp, p.pp, stage, p.dp * p.cp, p.zero_stage))
+
+
+@lru_cache(maxsize=4096)
+def _fp32(tensors: Counts) -> Counts:
+    return tuple((4 * n, c) for n, c in tensors)
 
 
 @lru_cache(maxsize=65536)

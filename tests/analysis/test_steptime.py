@@ -12,11 +12,10 @@ import pandas as pd
 import pytest
 from conftest import replace, spec
 
-from harness.analysis.profile import CalibrationError
+from harness.analysis.profile import CalibrationError, load_step_time
 from harness.analysis.steptime import (
     StepTimeCalibrator,
     evaluate_step_time,
-    load_step_time,
     ranking,
     step_time_section,
 )

@@ -66,7 +66,8 @@ def estimate_table(
         f"reserved by the caching allocator: {human(est.reserved_total_bytes)} (segment rounding "
         f"{human(reserved['segment_rounding'])}, "
         + "".join(f"{label} {human(reserved[k])}, " for k, label in SEGMENT_LABELS if reserved[k])
-        + f"cuBLAS workspace {human(reserved['cublas_workspace'])}; fragmentation: calibration=PROFILE)",
+        + f"cuBLAS workspace {human(reserved['cublas_workspace'])}; fragmentation: "
+        + ("fitted, below)" if profile is not None else "calibration=PROFILE)"),
         f"device level (what runs out): {human(est.device_total_bytes)} = {util:.1%} utilisation"
         + ("" if calibrated_bytes is not None else f" → {said} (threshold {threshold:.0%})")
         + f" (CUDA context {human(est.outside_terms['cuda_context'])}, NCCL "
