@@ -37,6 +37,17 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def write_trace_file(trace_dir: Path, stem: str, trace: dict[str, Any]) -> str:
+    """``run.trace``: a rank's allocation trace (a snapshot-shaped dict) as ``<stem>.trace.json`` in
+    ``trace_dir``, written whole (temporary name, then rename); its path."""
+    path = Path(trace_dir) / f"{stem}.trace.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(trace))
+    os.replace(tmp, path)
+    return str(path)
+
+
 def die_with_parent(parent_pid: int) -> None:
     """In a forked rank: ask the kernel to SIGKILL this process when its supervisor dies, however it
     dies (``kill -9`` of a sweep left its ranks running for hours, re-parented to init: issue 12).

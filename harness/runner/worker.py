@@ -9,7 +9,6 @@ error, a Python exception with its first line); the supervisor covers what a ran
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import statistics
 import time
@@ -26,7 +25,7 @@ from harness.runner.measure.peak import PeakMemory, cpu_peak_tflops, start_cuda_
 from harness.runner.model import Llama
 from harness.runner.parallel.compose import MESH_DIMS, parallelize, train_step
 from harness.runner.parallel.context import shard_sequence
-from harness.runner.procs import write_json
+from harness.runner.procs import write_json, write_trace_file
 from harness.spec import RunSpec, spec_id
 
 WARMUP_STEPS = 1  # AdamW's state appears at the first optimizer.step(): measure from the second step on
@@ -246,12 +245,7 @@ class _Artifacts:
     def write_trace(self, trace: dict[str, Any] | None) -> str | None:
         if self.trace_dir is None or trace is None:
             return None
-        path = self.trace_dir / f"{self.stem}.trace.json"
-        self.trace_dir.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(trace))
-        os.replace(tmp, path)
-        return str(path)
+        return write_trace_file(self.trace_dir, self.stem, trace)
 
     def dump_snapshot(self, when: str) -> str | None:
         if not self.snapshot:

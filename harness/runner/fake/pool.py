@@ -17,19 +17,28 @@ from typing import Any
 
 from harness.runner.fake.ranks import _zero1_worst_rank
 from harness.runner.fake.trace import trace_rank
-from harness.spec import RunSpec, config_id
+from harness.spec import RunSpec, config_id, spec_id
 
 log = logging.getLogger(__name__)
 
 
 def _trace_ranks(
-    spec: RunSpec, base: list[int], *, deadline: float, kernels: str, jobs: int, cache=None
+    spec: RunSpec,
+    base: list[int],
+    *,
+    deadline: float,
+    kernels: str,
+    jobs: int,
+    cache=None,
+    trace_dir: Path | None = None,
 ) -> list[dict[str, Any]]:
     """The results of tracing ``base`` and every ZeRO-1 rank a result names, up to ``jobs`` processes at
     a time: the same list, in the same order, as tracing them one at a time, each named rank queued
     behind the rest, and stopping at the first failure (``_sequence``). After a failure only the ranks
     before it in that order are started or kept running. A rank ``cache`` (a ``TraceCache``) holds is
-    taken from it; each completed trace is stored there."""
+    taken from it; each completed trace is stored there. ``trace_dir`` (``run.trace``): each rank's
+    allocation trace is written there as ``<config_id>.rank<r>.trace.json`` (the cache, which keeps no
+    traces, is not read then)."""
     results: dict[int, dict[str, Any]] = {}
     extras: dict[int, int | None] = {}  # traced rank → the ZeRO-1 rank its result names
     running: dict[int, tuple[Any, Path]] = {}
@@ -42,14 +51,14 @@ def _trace_ranks(
             reused = False
             while todo and len(running) < max(1, jobs):
                 rank = todo.pop(0)
-                hit = cache.load(spec, rank, kernels) if cache is not None else None
+                hit = cache.load(spec, rank, kernels) if cache is not None and trace_dir is None else None
                 if hit is not None:
                     log.info("fake: rank %d of %s taken from the trace cache", rank, config_id(spec))
                     # (an entry may come from the same layout with another dp: fake_cache)
                     results[rank], reused = {**hit, "rank": rank, "cached": True}, True
                     extras[rank] = _zero1_worst_rank(spec, results[rank])
                     continue
-                running[rank] = _start_child(spec, rank, Path(tmp) / f"rank{rank}.json", kernels)
+                running[rank] = _start_child(spec, rank, Path(tmp) / f"rank{rank}.json", kernels, trace_dir)
             if reused:
                 continue  # (a reused result may name a ZeRO-1 rank: look at the order again)
             if not running:
@@ -139,9 +148,11 @@ def _trace_in_child(spec: RunSpec, rank: int, *, deadline: float, kernels: str |
         return ended[rank]
 
 
-def _start_child(spec: RunSpec, rank: int, out: Path, kernels: str | None) -> tuple[Any, Path]:
+def _start_child(
+    spec: RunSpec, rank: int, out: Path, kernels: str | None, trace_dir: Path | None = None
+) -> tuple[Any, Path]:
     ctx = multiprocessing.get_context("fork")
-    proc = ctx.Process(target=_child, args=(spec, rank, out, kernels), daemon=True)
+    proc = ctx.Process(target=_child, args=(spec, rank, out, kernels, trace_dir), daemon=True)
     proc.start()
     return proc, out
 
@@ -181,14 +192,18 @@ def _kill(proc) -> None:
     proc.join(10)
 
 
-def _child(spec: RunSpec, rank: int, out: Path, kernels: str | None) -> None:
+def _child(spec: RunSpec, rank: int, out: Path, kernels: str | None, trace_dir: Path | None = None) -> None:
     import resource
 
-    from harness.runner.procs import write_json
+    from harness.runner.procs import write_json, write_trace_file
 
     try:
         start = time.perf_counter()
-        result = {"rank": rank, **trace_rank(spec, rank, kernels=kernels)}
+        result = {"rank": rank, **trace_rank(spec, rank, kernels=kernels, keep_trace=trace_dir is not None)}
+        if trace_dir is not None:
+            events = result.pop("trace")
+            trace = {"segments": [], "device_traces": [events]}
+            result["trace_file"] = write_trace_file(trace_dir, f"{spec_id(spec)}.rank{rank}", trace)
         result["trace_s"] = time.perf_counter() - start
         usage = resource.getrusage(resource.RUSAGE_SELF)
         # CPU seconds too: on a shared machine the wall time says more about the other processes.

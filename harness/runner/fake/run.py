@@ -48,6 +48,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 from harness.runner.fake.pool import _preload, _trace_ranks, trace_jobs
@@ -89,7 +90,8 @@ def run_configured(
     if mode == "fake":
         if task is not None and task.index > 0:
             return None  # one process traces the point; the other tasks of a Slurm job have nothing to do
-        return run_fake(spec, timeout_s=timeout_s, cache=run.get("fake_cache"))
+        trace_dir = (artifacts or {}).get("trace_dir") if (artifacts or {}).get("write_trace") else None
+        return run_fake(spec, timeout_s=timeout_s, cache=run.get("fake_cache"), trace_dir=trace_dir)
     share = run.get("share_gpus", False)
     if not isinstance(share, bool):
         raise ValueError(f"run.share_gpus={share!r} must be true or false")
@@ -111,11 +113,14 @@ def run_fake(
     kernels: str | None = None,
     jobs: int | None = None,
     cache: str | os.PathLike | None = None,
+    trace_dir: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """Trace every distinct rank of ``spec`` (one process each, up to ``jobs`` at a time; default
     :func:`trace_jobs`) and return the record. ``kernels``: "cuda" or "cpu" (default: cuda on a GPU
     preset, cpu on device=cpu). ``cache``: a directory of completed rank traces
-    (:mod:`harness.runner.fake.cache`): a rank found there is not traced again, one traced is kept."""
+    (:mod:`harness.runner.fake.cache`): a rank found there is not traced again, one traced is kept.
+    ``trace_dir`` (``run.trace``): each traced rank's allocation trace is written there, as a real
+    rank's is (``<config_id>.rank<r>.trace.json``)."""
     try:
         spec = canonical(spec)
     except InvalidSpec as exc:
@@ -138,6 +143,7 @@ def run_fake(
         kernels=kernels or ("cuda" if gpu_kernels(spec) else "cpu"),
         jobs=jobs or trace_jobs(len(base)),
         cache=store,
+        trace_dir=Path(trace_dir) if trace_dir is not None else None,
     )
     return fake_record(spec, results, wall_s=time.monotonic() - start, timeout_s=timeout_s)
 
