@@ -468,7 +468,7 @@ def _scripted_tracing(monkeypatch, finishes, results):
 
     started, killed, turns = [], [], iter(finishes)
 
-    def start(spec, rank, out, kernels):
+    def start(spec, rank, out, kernels, trace_dir=None):
         started.append(rank)
         return rank, out
 
