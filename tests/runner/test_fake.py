@@ -193,11 +193,11 @@ def test_a_cpu_trace_holds_gloos_reduce_scatter_copy_as_the_real_run_does(precis
 
 
 def test_ddp_buckets_are_the_gradients_and_are_rebuilt_once():
-    from harness.runner.fake.ddp import BUCKET_CAP_BYTES, bucket_sizes
+    from harness.runner.fake.ddp import BUCKET_CAP_BYTES, _group, initial_buckets
 
     class P:  # a parameter's size and dtype are all the assignment reads
-        def __init__(self, n):
-            self.n, self.dtype = n, "fp32"
+        def __init__(self, n, dtype="fp32"):
+            self.n, self.dtype = n, dtype
 
         def numel(self):
             return self.n
@@ -206,9 +206,13 @@ def test_ddp_buckets_are_the_gradients_and_are_rebuilt_once():
             return 4
 
     params = [P(n) for n in (1000, 300_000, 4 * MIB, 7 * MIB, 10)]
-    # Reverse order; the first bucket closes past 1 MiB (10 + 7 Mi elements · 4 B), later ones past 25 MiB.
-    assert bucket_sizes(params) == [[4, 3], [2, 1, 0]]
-    assert 4 * MIB * 4 < BUCKET_CAP_BYTES
+    # Before the rebuild: one bucket per dtype, in reverse order (torch 2.13 DDP without
+    # find_unused_parameters: initial size limit sys.maxsize).
+    assert initial_buckets(params) == [[4, 3, 2, 1, 0]]
+    assert initial_buckets([P(1), P(2, "bf16"), P(3, "bf16")]) == [[2, 1], [0]]
+    # The rebuild, in gradient-ready order, closes a bucket once it reaches 25 MiB.
+    assert _group([3, 2, 4, 1, 0], params) == [[3], [2, 4, 1, 0]]
+    assert 7 * MIB * 4 >= BUCKET_CAP_BYTES > 4 * MIB * 4
 
 
 @pytest.mark.slow
