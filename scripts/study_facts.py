@@ -1,7 +1,8 @@
 """Print the CPU study's figures that README.md quotes beyond report.md: total run time, the best
 throughput per rank of the runs using each axis, by model and world size (GFLOP/s), the runs the
 torch engine under-predicts most, the share within 2 % under-prediction (issue 15's goal), and, where
-the rows carry them, the replayed reserved peaks (sim_peak_reserved_bytes) against the allocated ones.
+the rows carry them, the replayed reserved peaks (sim_peak_reserved_bytes) against the allocated ones,
+and every pipeline stage's most-loaded rank against the engine's figure for that stage (issue 30).
 Run: python scripts/study_facts.py [results/cpu_study/dataset.parquet | a results_dir]
 """
 
@@ -47,6 +48,15 @@ def main() -> None:
         f"under-prediction: {(under <= 0.02).mean():.1%} of {int(m.sum())} measured runs within 2 %, "
         f"{(under > 0.05).sum()} worse than 5 %, worst {under.max():.1%}"
     )
+    from harness.analysis.stages import stage_errors, summary
+
+    print("every pipeline stage (its most-loaded rank against the torch engine's stage figure):")
+    for r in summary(stage_errors(data)):
+        print(
+            f"  {r['position']:<6} {r['stages']:4d} stages: median {r['median']:+.2%}, p95 |err| "
+            f"{r['p95_abs']:.2%}, worst under {r['worst_under']:.2%}, within 2 % under "
+            f"{r['within_2pct_under']:.1%}"
+        )
     if "sim_peak_reserved_bytes" in data.frame:
         sim = data.frame["sim_peak_reserved_bytes"].to_numpy(dtype=float)
         ratio = (sim / measured)[m & (sim > 0)]

@@ -13,6 +13,8 @@ import pandas as pd
 
 from harness.analysis.calibrate import ESTIMATORS, MIB, PAPER_THRESHOLD, Evaluation, evaluate
 from harness.analysis.plots import all_figures, fastest_layout, throughput_unit, world_of
+from harness.analysis.stages import stage_errors
+from harness.analysis.stages import summary as stage_summary
 from harness.analysis.steptime import StepTimeEvaluation, evaluate_step_time
 from harness.estimate.steptime import TERMS as STEP_TIME_TERMS
 from harness.estimate.steptime import UNITS
@@ -146,6 +148,44 @@ def memory_section(ev: Evaluation) -> list[str]:
         "measured here for each estimator ('none': no run ran out of memory); 'fitting runs above it' are "
         "runs it would wrongly exclude. "
         "The last two columns apply the paper's 80 % rule as published.",
+    ]
+
+
+STAGE_COLUMNS = ["stage", "stages", "median error", "p95 abs. error", "worst under", "within 2 % under"]
+
+
+def stages_section(ev: Evaluation) -> list[str]:
+    """Every pipeline stage's most-loaded rank against that stage's estimate (harness/analysis/
+    stages.py), by stage position; nothing when no measured run has a pipeline."""
+    errors = stage_errors(ev.data, engine=ev.engine)
+    if errors.empty:
+        return []
+    rows = [
+        [
+            r["position"],
+            str(r["stages"]),
+            f"{r['median']:+.2%}",
+            _pct(r["p95_abs"]),
+            _pct(r["worst_under"]),
+            _pct(r["within_2pct_under"]),
+        ]
+        for r in stage_summary(errors)
+    ]
+    worst = errors.loc[errors["error"].idxmin()]
+    return [
+        "## Every pipeline stage",
+        "",
+        f"Each stage's most-loaded rank against the `{ev.engine}` engine's figure for that stage, over the "
+        f"{errors['config_id'].nunique()} measured runs with a pipeline (the memory table above judges "
+        "only each run's worst rank). Error = (estimated − measured) / measured.",
+        "",
+        *_table(
+            ["stage", "stages", "median error", "p95 abs. error", "worst under", "within 2 % under"], rows
+        ),
+        "",
+        f"Worst under-prediction: stage {int(worst['stage'])} of `{worst['config_id']}`, "
+        f"{-worst['error']:.2%} under ({worst['measured'] / 2**20:.1f} MiB measured).",
+        "",
     ]
 
 
@@ -325,6 +365,7 @@ def write_report(
         "",
         *memory_section(ev),
         "",
+        *stages_section(ev),
         *calibration_section(ev),
         "",
         *throughput_section(frame),
