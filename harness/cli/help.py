@@ -111,6 +111,8 @@ MEANINGS: dict[str, str] = {
     "plan.max_gpus": "min_gpus: the largest device count tried",
     "plan.show": "fitting | all: also the layouts that do not fit, with the first term over the budget",
     "plan.verify": "N: trace the top N fitting layouts (run.mode=fake) against the card, rank by the traces",
+    "plan.include": "your layout ('{tp:2,pp:4,zero_stage:1}': dp tp pp cp zero_stage pp_schedule "
+    "virtual_stages micro_batch_size recompute): where it ranks, or what breaks the budget",
     "plan.emit": "PATH (.../study/NAME.yaml): write the top fitting layouts as a study for harness sweep",
     # replay
     "trace": "PATH of an allocator trace to replay",

@@ -20,8 +20,8 @@ from harness.spec.validate import MAX_RANKS
 
 def plan_command(overrides: Sequence[str]) -> int:
     from harness.cli.render.common import with_stack
-    from harness.cli.render.plan import plan_json, plan_table
-    from harness.estimate.plan import PlanOptions, plan
+    from harness.cli.render.plan import include_json, include_lines, plan_json, plan_table
+    from harness.estimate.plan import PlanOptions, include_rank, plan
 
     cfg = compose_scaled(overrides)
     fmt, threshold = output_settings(cfg)
@@ -59,10 +59,15 @@ def plan_command(overrides: Sequence[str]) -> int:
         study_target(p["emit"], config_dir())
     if p.get("solve") is not None:
         return _plan_solve(cfg, opts, fmt)
-    result = plan(run_spec(cfg), opts)
+    base = run_spec(cfg)
+    included = _included_row(base, opts, p.get("include"))  # checked before the work
+    result = plan(base, opts)
     verified = _verify(result, int(verify), cfg) if verify else None
+    rank = include_rank(result, included) if included is not None else None
     if fmt == "json":
         out = {"stack": stack_of_config(cfg).as_record(), **plan_json(result, opts)}
+        if included is not None:
+            out["included"] = include_json(included, rank)
         if verified is not None:
             out["verified"] = [_verified_fields(rank, row, rec) for rank, row, rec in verified]
         print(json.dumps(out, indent=2))
@@ -75,10 +80,28 @@ def plan_command(overrides: Sequence[str]) -> int:
                 stack_of_config(cfg),
             )
         )
+        if included is not None:
+            print("\n" + "\n".join(include_lines(included, rank, result, opts)))
         if verified is not None:
             print("\n" + _verified_table(verified))
     _emit(cfg, [r.estimate.spec for r in result.fitting[: int(p["top"])]], fmt, opts)
     return 0
+
+
+def _included_row(base, opts, layout):
+    """``plan.include={tp: 2, pp: 4, ...}``: the user's own layout, judged and ranked as plan's
+    candidates are (None when not given). A key plan does not know, or an impossible layout, is a
+    usage error before the work (the spec check's own message)."""
+    if layout is None:
+        return None
+    from harness.estimate.plan import include_spec, plan_row
+    from harness.spec import canonical
+
+    if not isinstance(layout, dict):
+        raise ValueError(f"plan.include={layout!r} must be a layout such as '{{tp:2,pp:4,zero_stage:1}}'")
+    spec = canonical(include_spec(base, opts, layout))
+    timer = opts.step_time if opts.step_time is not None and opts.step_time.applies_to(base) else None
+    return plan_row(spec, opts, timer=timer)
 
 
 # What `plan` takes from the command line as a constraint (issue 31: parallel.tp=8 parallel.pp=4 were

@@ -225,18 +225,96 @@ def plan(base: RunSpec, opts: PlanOptions) -> PlanResult:
             invalid += len(group)
             continue
         stages = dominant_stages(group[0].parallel, group[0].train)
-        for spec in group:
-            est = estimate_canonical(spec, engine=opts.engine, stages=stages)
-            calibrated = None if opts.calibration is None else opts.calibration.total_bytes(est)
-            device = verdict_bytes(est, opts.calibration)
-            fits = device / est.capacity_bytes <= opts.threshold
-            timed = {}
-            if fits and timer is not None:
-                step = timer.step_time_s(spec)
-                timed = {
-                    "predicted_step_time_s": step,
-                    "predicted_tflops_per_device": timer.tflops_per_device(spec, step) if step > 0 else None,
-                }
-            rows.append(PlanRow(est, cost(spec) if fits else None, fits, calibrated, device, **timed))
+        rows += [plan_row(spec, opts, stages=stages, timer=timer) for spec in group]
     rows.sort(key=PlanRow.sort_key)
     return PlanResult(tuple(rows), considered, invalid)
+
+
+def plan_row(spec: RunSpec, opts: PlanOptions, *, stages=None, timer=None) -> PlanRow:
+    """One canonical candidate as ``plan`` judges and ranks it (also ``plan.include``: a layout the
+    user names, whether or not plan's lists hold it). ``timer``: the step-time model where it applies."""
+    est = estimate_canonical(spec, engine=opts.engine, stages=stages)
+    calibrated = None if opts.calibration is None else opts.calibration.total_bytes(est)
+    device = verdict_bytes(est, opts.calibration)
+    fits = device / est.capacity_bytes <= opts.threshold
+    timed = {}
+    if fits and timer is not None:
+        step = timer.step_time_s(spec)
+        timed = {
+            "predicted_step_time_s": step,
+            "predicted_tflops_per_device": timer.tflops_per_device(spec, step) if step > 0 else None,
+        }
+    return PlanRow(est, cost(spec) if fits else None, fits, calibrated, device, **timed)
+
+
+# What ``plan.include`` may name, with its default where the layout leaves it out.
+INCLUDE_KEYS = {
+    "dp": None,  # derived: the devices over tp·pp·cp
+    "tp": 1,
+    "pp": 1,
+    "cp": 1,
+    "zero_stage": 0,
+    "pp_schedule": "1f1b",
+    "virtual_stages": 1,
+    "micro_batch_size": 1,
+    "recompute": None,  # the base's (the stack's)
+}
+
+
+def include_spec(base: RunSpec, opts: PlanOptions, layout: dict[str, Any]) -> RunSpec:
+    """The candidate ``plan.include`` names (``{tp: 2, pp: 4, zero_stage: 1, ...}``: the keys of
+    :data:`INCLUDE_KEYS`), built as :func:`candidate_groups` builds its own: ``opts.gpus`` devices, the
+    micro-batches the global batch leaves, the stack's reshard and gradient-sync choices in canonical
+    form. Not validated here (``canonical`` does, with the arithmetic in the message); a key plan
+    does not know, or a batch the layout cannot split, is a ValueError."""
+    unknown = sorted(set(layout) - set(INCLUDE_KEYS))
+    if unknown:
+        raise ValueError(
+            f"plan.include: unknown key(s) {', '.join(unknown)} (known: {', '.join(INCLUDE_KEYS)})"
+        )
+    v = {k: layout.get(k, d) for k, d in INCLUDE_KEYS.items()}
+    tp, pp, cp, mbs = int(v["tp"]), int(v["pp"]), int(v["cp"]), int(v["micro_batch_size"])
+    if min(tp, pp, cp, mbs) < 1 or opts.gpus % (tp * pp * cp):
+        raise ValueError(f"plan.include: tp·pp·cp = {tp}·{pp}·{cp} does not divide plan.gpus={opts.gpus}")
+    dp = int(v["dp"]) if v["dp"] is not None else opts.gpus // (tp * pp * cp)
+    gbs = opts.global_batch_size or opts.gpus
+    if dp * mbs < 1 or gbs % (dp * mbs):
+        raise ValueError(
+            f"plan.include: global batch {gbs} is not a whole number of micro-batches of {mbs} "
+            f"sequences over dp={dp}"
+        )
+    m = gbs // (dp * mbs)
+    t = base.train
+    zero, reshard = canonical_zero(
+        int(v["zero_stage"]), base.parallel.fsdp_reshard_after_forward, pp=pp, shards=dp * cp
+    )
+    train = dataclasses.replace(
+        t,
+        micro_batch_size=mbs,
+        num_microbatches=m,
+        recompute=v["recompute"] or t.recompute,
+        grad_sync=canonical_grad_sync(t.grad_sync, num_microbatches=m, shards=dp * cp, pp=pp),
+    )
+    par = ParallelSpec(
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        zero_stage=zero,
+        sequence_parallel=tp > 1,
+        pp_schedule=v["pp_schedule"],
+        virtual_stages=int(v["virtual_stages"]),
+        cp_load_balance=cp > 1,
+        world_size=opts.gpus,
+        fsdp_reshard_after_forward=reshard,
+    )
+    return RunSpec(base.model, par, train, base.device)
+
+
+def include_rank(result: PlanResult, row: PlanRow) -> int | None:
+    """Where ``row`` ranks among ``result``'s fitting layouts (1 = first), None when it does not fit:
+    its own place if plan considered it, else the place its sort key takes."""
+    if not row.fits:
+        return None
+    key = row.sort_key()
+    return 1 + sum(1 for r in result.fitting if r.sort_key() < key and r.estimate.spec != row.estimate.spec)

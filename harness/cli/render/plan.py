@@ -68,6 +68,55 @@ def plan_json(result: PlanResult, opts: PlanOptions) -> dict[str, Any]:
     }
 
 
+def include_lines(row: PlanRow, rank: int | None, result: PlanResult, opts: PlanOptions) -> list[str]:
+    """``plan.include``: where the user's own layout ranks among the fitting ones, or the term that
+    breaks the budget."""
+    p, t = row.estimate.spec.parallel, row.estimate.spec.train
+    sched = "-" if p.pp == 1 else p.pp_schedule.replace("interleaved_1f1b", f"int1f1b/{p.virtual_stages}")
+    rc = recompute_label(t.recompute, t.recompute_every, t.recompute_method)
+    what = (
+        f"dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp} zero={p.zero_stage} sched={sched} "
+        f"mbs={t.micro_batch_size} m={t.num_microbatches} recompute={rc}"
+    )
+    level = f"{human(row.predicted_bytes)} = {row.utilisation:.1%} of the device"
+    if rank is None:
+        return [
+            f"your layout (plan.include): {what}",
+            f"  does NOT fit: {level} (threshold {opts.threshold:.0%}); over at "
+            f"{breaking_term(row, opts.threshold)}",
+        ]
+    step = row.predicted_step_time_s if row.predicted_step_time_s is not None else row.cost.step_time_s
+    timing = "" if step is None or math.isnan(step) else f", step s≥ {step:.3f}"
+    return [
+        f"your layout (plan.include): {what}",
+        f"  ranks {rank} of {len(result.fitting)} fitting: {level}{timing}",
+    ]
+
+
+def include_json(row: PlanRow, rank: int | None) -> dict[str, Any]:
+    out = _row_fields(row) if row.cost is not None else {k: v for k, v in _row_fields_basic(row).items()}
+    out["rank"] = rank
+    return out
+
+
+def _row_fields_basic(row: PlanRow) -> dict[str, Any]:
+    spec = row.estimate.spec
+    p, t = spec.parallel, spec.train
+    return {
+        "config_id": config_id(spec),
+        **{f"parallel_{k}": getattr(p, k) for k in ("dp", "tp", "pp", "cp", "zero_stage", "pp_schedule")},
+        "parallel_virtual_stages": p.virtual_stages,
+        "train_micro_batch_size": t.micro_batch_size,
+        "train_num_microbatches": t.num_microbatches,
+        "train_recompute": t.recompute,
+        "total_bytes": row.estimate.total_bytes,
+        "calibrated_bytes": row.calibrated_bytes,
+        "device_total_bytes": row.predicted_bytes,
+        "utilisation": row.utilisation,
+        "fits": row.fits,
+    }
+
+
 def breaking_term(row: PlanRow, threshold: float) -> str:
     """The first term of the most-loaded rank (states, then activations and buffers, in the estimator's
     order) at which the running sum, with the memory outside the allocator, passes ``threshold`` of the
