@@ -75,6 +75,7 @@ MEANINGS: dict[str, str] = {
     "format": "table (for people) | json (for programs)",
     "threshold": "a ratio in (0, 1]: the device level at or below which a configuration fits (0.8 = 80 %)",
     "explain": "true: a glossary of the table's rows and columns under it",
+    "fail_on": "nofit: estimate and plan exit 1 when nothing fits (printed all the same)",
     "results_dir": "where sweep and run write rows, and calibrate/report read them",
     "calibration": "auto (GPU devices: the committed paper-scale profile; CPU: none) | none | PATH of a "
     "profile (from calibrate): estimate/plan add the calibrated peaks; plan ranks by its fitted step time",
@@ -150,6 +151,7 @@ ESTIMATE_KEYS = (
     "threshold",
     "calibration",
     "explain",
+    "fail_on",
 )
 
 COMMAND_HELP: dict[str, Command] = {

@@ -13,7 +13,13 @@ from harness import __version__
 from harness.cli.config import ConfigError, compose, engine_name, run_spec
 from harness.cli.plan import plan_command
 from harness.cli.results import load_runs, report_command, results_command, writable_target
-from harness.cli.shared import compose_scaled, output_settings, profile_of_config, stack_of_config
+from harness.cli.shared import (
+    compose_scaled,
+    fails_on_nofit,
+    output_settings,
+    profile_of_config,
+    stack_of_config,
+)
 from harness.runner.procs import Terminated
 from harness.spec import InvalidSpec
 
@@ -25,6 +31,7 @@ def _estimate(overrides: Sequence[str]) -> int:
 
     cfg = compose_scaled(overrides)
     fmt, threshold = output_settings(cfg)
+    fail_on_nofit = fails_on_nofit(cfg)
     est = estimate(run_spec(cfg), engine=engine_name(cfg))
     profile = profile_of_config(cfg)
     calibrated = profile.total_bytes(est) if profile else None
@@ -59,6 +66,11 @@ def _estimate(overrides: Sequence[str]) -> int:
             explain=bool(cfg.get("explain")),
         )
         print(with_stack(table, stack))
+    if fail_on_nofit:
+        from harness.estimate.levels import verdict_bytes
+
+        if verdict_bytes(est, profile) > threshold * est.capacity_bytes:
+            return 1
     return 0
 
 

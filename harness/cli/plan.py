@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from harness.cli.config import engine_name, run_spec
 from harness.cli.shared import (
     compose_scaled,
+    fails_on_nofit,
     output_settings,
     profile_of_config,
     stack_of_config,
@@ -25,6 +26,7 @@ def plan_command(overrides: Sequence[str]) -> int:
 
     cfg = compose_scaled(overrides)
     fmt, threshold = output_settings(cfg)
+    fail_on_nofit = fails_on_nofit(cfg)
     p = cfg["plan"]
     narrowed, fixed, given = _plan_constraints(cfg, overrides)
     opts = PlanOptions(
@@ -58,7 +60,8 @@ def plan_command(overrides: Sequence[str]) -> int:
 
         study_target(p["emit"], config_dir())
     if p.get("solve") is not None:
-        return _plan_solve(cfg, opts, fmt)
+        found = _plan_solve(cfg, opts, fmt)
+        return 1 if fail_on_nofit and not found else 0
     base = run_spec(cfg)
     included = _included_row(base, opts, p.get("include"))  # checked before the work
     result = plan(base, opts)
@@ -85,7 +88,7 @@ def plan_command(overrides: Sequence[str]) -> int:
         if verified is not None:
             print("\n" + _verified_table(verified))
     _emit(cfg, [r.estimate.spec for r in result.fitting[: int(p["top"])]], fmt, opts)
-    return 0
+    return 1 if fail_on_nofit and not result.fitting else 0
 
 
 def _included_row(base, opts, layout):
@@ -151,8 +154,9 @@ def _whole(value, key: str, most: int) -> int:
     return int(value)
 
 
-def _plan_solve(cfg: dict, opts, fmt: str) -> int:
-    """``plan.solve=min_gpus|max_micro_batch|max_seq_len``: a reverse question (harness.estimate.solve)."""
+def _plan_solve(cfg: dict, opts, fmt: str) -> bool:
+    """``plan.solve=min_gpus|max_micro_batch|max_seq_len``: a reverse question (harness.estimate.solve);
+    whether it found an answer."""
     from harness.cli.render.plan import solve_json, solve_table
     from harness.estimate import solve as sv
 
@@ -181,7 +185,7 @@ def _plan_solve(cfg: dict, opts, fmt: str) -> int:
     else:
         specs = [] if solution.best is None else [solution.best.estimate.spec]
     _emit(cfg, specs, fmt, opts)
-    return 0
+    return solution.best is not None
 
 
 def _emit(cfg: dict, specs: list, fmt: str, opts) -> None:

@@ -54,6 +54,17 @@ def output_settings(cfg: dict) -> tuple[str, float]:
     return fmt, threshold
 
 
+def fails_on_nofit(cfg: dict) -> bool:
+    """``fail_on=nofit`` (estimate, plan): exit 1 when nothing fits (issue 31); null: exit 0 for any
+    answer. Checked before the work."""
+    value = cfg.get("fail_on")
+    if value is None or value == "":
+        return False
+    if str(value) != "nofit":
+        raise ValueError(f"fail_on={value!r} must be nofit or null")
+    return True
+
+
 def stack_of_config(cfg: dict):
     """The stack a composed config assumed (harness.spec.stacks), for the output's stack line / field."""
     from harness.spec import apply_stack
