@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -79,10 +80,13 @@ def expand(overrides: Sequence[str]) -> list[str]:
         if key == "model.hf_config":
             if value in ("", "null"):
                 continue
+            notes: list[str] = []
             try:
-                fields = model_fields(value)
+                fields = model_fields(value, notes)
             except HFConfigError as exc:
                 raise ConfigError(str(exc)) from None
+            for note in notes:
+                print(f"note: {note}", file=sys.stderr)
             out += [f"model.{k}={_override_value(v)}" for k, v in fields.items()]
         elif key in LIST_KEYS and "," in value and not value.startswith(("[", "'", '"')):
             out.append(f"{key}=[{value}]")

@@ -22,6 +22,7 @@ MEANINGS: dict[str, str] = {
     "model.ffn_hidden_size": "SwiGLU MLP intermediate size f",
     "model.vocab_size": "vocabulary size v",
     "model.tie_embeddings": "true: the LM head shares the embedding's weights",
+    "model.qkv_bias": "true: biases on the Q, K and V projections (Qwen2, Qwen2.5)",
     "model.hf_config": "PATH of a local Hugging Face config.json (Llama family): sets the model.* fields",
     # parallel
     "parallel.dp": "data-parallel degree (null: derived from parallel.world_size)",

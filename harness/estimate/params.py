@@ -2,8 +2,9 @@
 
 ESTIMATOR.md §1. Per transformer layer: attention 2h²(1 + k/a) (Q and O are h×h, K and V are
 h×(h·k/a)), SwiGLU MLP 3·h·f, two RMSNorm weights 2h. Embedding h·v, final norm h, LM head h·v
-unless tied. Tensor parallelism shards every matrix by t (vocabulary-parallel embedding and head);
-norm weights are replicated. Stage 0 holds the embedding, the last stage the final norm and the head.
+unless tied; Qwen2's Q, K and V biases h(1 + 2k/a) where ``qkv_bias``. Tensor parallelism shards every
+matrix (and those biases) by t (vocabulary-parallel embedding and head); norm weights are replicated.
+Stage 0 holds the embedding, the last stage the final norm and the head.
 """
 
 from __future__ import annotations
@@ -18,9 +19,17 @@ def layer_matrix_params(m: ModelSpec) -> int:
     return 2 * h * h + 2 * h * kv_width + 3 * h * m.ffn_hidden_size
 
 
+def qkv_bias_params(m: ModelSpec) -> int:
+    """The Q, K and V projections' biases of one layer (Qwen2: h + 2·h·k/a; 0 without ``qkv_bias``),
+    sharded with their columns under tensor parallelism."""
+    if not m.qkv_bias:
+        return 0
+    return m.hidden_size + 2 * (m.hidden_size // m.num_heads * m.num_kv_heads)
+
+
 def layer_params(m: ModelSpec, *, tp: int = 1) -> int:
     """Parameters of one transformer layer on one tensor-parallel rank (norm weights replicated)."""
-    return layer_matrix_params(m) // tp + 2 * m.hidden_size
+    return (layer_matrix_params(m) + qkv_bias_params(m)) // tp + 2 * m.hidden_size
 
 
 def total_params(m: ModelSpec) -> int:

@@ -85,10 +85,11 @@ def initial_value(
     m: ModelSpec, key: str, shape: tuple[int, ...], *, seed: int, device: torch.device
 ) -> torch.Tensor:
     """The whole initial value of parameter ``key`` (FP32, ``shape``): ones for norm weights, else
-    normal with :func:`init_std`, from a generator seeded by ``seed`` and the key alone — the same on
-    every rank and in every layout, so each rank can take its shard of it (a model built on the meta
-    device) and the single-rank reference starts from the same weights."""
-    if len(shape) == 1:
+    normal with :func:`init_std` (biases too: a zero bias would not show a wrongly sharded one), from a
+    generator seeded by ``seed`` and the key alone — the same on every rank and in every layout, so
+    each rank can take its shard of it (a model built on the meta device) and the single-rank reference
+    starts from the same weights."""
+    if len(shape) == 1 and not key.endswith(".bias"):
         return torch.ones(shape, device=device)
     gen = torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % 2**63)
     return torch.empty(shape, device=device).normal_(0.0, init_std(m, key), generator=gen)
@@ -110,9 +111,9 @@ class Attention(nn.Module):
         self.kernel = attention
         self.head_dim = m.hidden_size // m.num_heads
         kv_width = self.head_dim * m.num_kv_heads
-        self.wq = nn.Linear(m.hidden_size, m.hidden_size, bias=False)
-        self.wk = nn.Linear(m.hidden_size, kv_width, bias=False)
-        self.wv = nn.Linear(m.hidden_size, kv_width, bias=False)
+        self.wq = nn.Linear(m.hidden_size, m.hidden_size, bias=m.qkv_bias)
+        self.wk = nn.Linear(m.hidden_size, kv_width, bias=m.qkv_bias)
+        self.wv = nn.Linear(m.hidden_size, kv_width, bias=m.qkv_bias)
         self.wo = nn.Linear(m.hidden_size, m.hidden_size, bias=False)
         self.seq_len = seq_len
         # The global token positions this module's rotary rows are for (None: 0 … seq_len − 1); context

@@ -2,8 +2,9 @@
 
 ``model.hf_config=PATH`` on the command line reads one: the fields map one to one onto ModelSpec's, and
 a config whose architecture the estimator cannot model (mixture of experts, multi-head latent attention,
-sliding-window attention, biases, a head size other than hidden/heads) is refused in one line naming
-the fields, rather than estimated as if it were a dense Llama.
+biases other than Qwen2's on Q, K and V, a head size other than hidden/heads) is refused in one line
+naming the fields, rather than estimated as if it were a dense Llama. Sliding-window attention is
+estimated as dense, with a note. ``PATH`` may be the file or a folder holding it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,11 @@ FIELDS = {
     "vocab_size": "vocab_size",
     "tie_embeddings": "tie_word_embeddings",
 }
-MODEL_TYPES = ("llama", "mistral")  # Mistral is Llama plus an optional sliding window (refused below)
+# Mistral is Llama plus an optional sliding window (see WINDOW_KEYS); Qwen2 (and Qwen2.5, the same
+# model_type) is Llama with biases on the Q, K and V projections (transformers' Qwen2Attention:
+# q_proj, k_proj, v_proj with bias=True, o_proj without), ModelSpec.qkv_bias.
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+QKV_BIAS_TYPES = ("qwen2",)
 # Keys whose presence (with a value that switches the feature on) means another architecture.
 UNSUPPORTED = {
     "mixture of experts": (
@@ -37,9 +42,17 @@ UNSUPPORTED = {
         "moe_layer_freq",
     ),
     "multi-head latent attention": ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim"),
-    "sliding-window attention": ("sliding_window", "use_sliding_window", "layer_types"),
     "biases": ("attention_bias", "mlp_bias"),
 }
+# Sliding-window attention (Mistral v0.1's sliding_window: 4096) is modelled as dense attention: under a
+# fused kernel the window only masks, so what a layer keeps for backward is the same (the queries,
+# keys, values and output, and the kernel's log-sum-exp), and so is every other term; only attention's
+# FLOPs are fewer, and the FLOPs count does not know it. Said in a note.
+WINDOW_KEYS = ("sliding_window", "use_sliding_window", "layer_types")
+WINDOW_NOTE = (
+    "{where}: sliding-window attention ({keys}) is estimated as dense attention: the same memory under "
+    "the fused kernels (the window only masks), but its FLOPs and step time are over-counted"
+)
 
 
 MAX_BYTES = 16 * 2**20  # a config.json is a few KiB; a file larger than this is not one
@@ -54,10 +67,19 @@ def _switched_on(value: Any) -> bool:
     return value not in (None, False, 0, [], "")
 
 
-def model_fields(path: str | Path) -> dict[str, Any]:
-    """ModelSpec fields (and ``name``: the config's folder) from a Llama-family ``config.json``."""
+def _dense_layers(key: str, value: Any) -> bool:
+    """``layer_types`` of full attention only: no window."""
+    return key == "layer_types" and isinstance(value, list) and set(map(str, value)) <= {"full_attention"}
+
+
+def model_fields(path: str | Path, notes: list[str] | None = None) -> dict[str, Any]:
+    """ModelSpec fields (and ``name``: the config's folder) from a Llama-family ``config.json``, or from
+    a folder holding one (a model's download folder). ``notes``: where to add what the reader should
+    know about how the model is estimated (sliding-window attention as dense)."""
     where = f"model.hf_config={path}"
     path = Path(path).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
     try:
         # A regular file of at most MAX_BYTES, checked before reading (issue 29: /dev/zero was read until
         # the process was killed, a FIFO blocked for ever).
@@ -85,16 +107,26 @@ def model_fields(path: str | Path) -> dict[str, Any]:
         f"{key} ({what})"
         for what, keys in UNSUPPORTED.items()
         for key in keys
-        if key in cfg
-        and _switched_on(cfg[key])
-        and not (
-            key == "layer_types"
-            and isinstance(cfg[key], list)
-            and set(map(str, cfg[key])) <= {"full_attention"}
-        )
+        if key in cfg and _switched_on(cfg[key])
     ]
     if refused:
         raise HFConfigError(f"{where}: cannot model {', '.join(refused)}: only dense Llama-family models")
+    kinds = cfg.get("layer_types")
+    if kinds is not None:
+        if not isinstance(kinds, list) or not all(isinstance(k, str) for k in kinds):
+            raise HFConfigError(
+                f"{where}: cannot model layer_types {kinds!r:.60}: not a list of attention types"
+            )
+        other = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+        if other:
+            raise HFConfigError(
+                f"{where}: cannot model layer_types {', '.join(other)}: only dense or sliding attention"
+            )
+    window = [k for k in WINDOW_KEYS if k in cfg and _switched_on(cfg[k]) and not _dense_layers(k, cfg[k])]
+    if "use_sliding_window" in cfg and not _switched_on(cfg["use_sliding_window"]):
+        window = []  # Qwen2 carries sliding_window with use_sliding_window false: no window
+    if window and notes is not None:
+        notes.append(WINDOW_NOTE.format(where=where, keys=", ".join(window)))
 
     missing = [
         key
@@ -109,6 +141,7 @@ def model_fields(path: str | Path) -> dict[str, Any]:
     out: dict[str, Any] = {"name": re.sub(r"[^A-Za-z0-9_.-]", "_", label) or "hf_model"}
     for field, key in FIELDS.items():
         out[field] = cfg.get(key)
+    out["qkv_bias"] = model_type in QKV_BIAS_TYPES
     # transformers' defaults: no GQA (kv heads = heads), untied embeddings (LlamaConfig).
     if out["num_kv_heads"] is None:
         out["num_kv_heads"] = out["num_heads"]
@@ -117,7 +150,7 @@ def model_fields(path: str | Path) -> dict[str, Any]:
     wrong = [
         f"{FIELDS[f]}={v!r}"
         for f, v in out.items()
-        if f != "name" and f != "tie_embeddings" and (not isinstance(v, int) or isinstance(v, bool))
+        if f not in ("name", "tie_embeddings", "qkv_bias") and (not isinstance(v, int) or isinstance(v, bool))
     ]
     if wrong or not isinstance(out["tie_embeddings"], bool):
         raise HFConfigError(

@@ -114,7 +114,7 @@ def config_id(spec: RunSpec) -> str:
     spec = canonical(spec)
     payload = {
         "v": CONFIG_ID_VERSION,
-        "model": {k: v for k, v in dataclasses.asdict(spec.model).items() if k != "name"},
+        "model": {k: v for k, v in _hashed("model", spec.model).items() if k != "name"},
         "parallel": _hashed("parallel", spec.parallel),
         "train": _hashed("train", spec.train),
         "device": {"name": spec.device.name, "memory_gib": float(spec.device.memory_gib)},

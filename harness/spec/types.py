@@ -31,6 +31,7 @@ FSDP_RESHARD = ("default", "always", "never")
 # Fields added after the first study, left out of the hashed payload (config_id, raw_id) while they hold
 # this default, so that every spec that existed before keeps its id.
 ADDED_FIELD_DEFAULTS = {
+    "model": {"qkv_bias": False},
     "train": {"recompute_every": 1, "recompute_method": "every", "grad_sync": "last"},
     "parallel": {"fsdp_reshard_after_forward": "always"},
     # The device's memory-beside-tensors constants and step-time figures: config_id hashes only the
@@ -61,7 +62,8 @@ class InvalidSpec(ValueError):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A Llama-architecture decoder: RMSNorm, RoPE, GQA attention, SwiGLU MLP, no biases."""
+    """A Llama-architecture decoder: RMSNorm, RoPE, GQA attention, SwiGLU MLP; biases only on the Q, K
+    and V projections where ``qkv_bias`` (Qwen2 and Qwen2.5)."""
 
     name: str
     hidden_size: int
@@ -71,6 +73,7 @@ class ModelSpec:
     ffn_hidden_size: int
     vocab_size: int
     tie_embeddings: bool = False
+    qkv_bias: bool = False
 
 
 @dataclass(frozen=True)

@@ -101,9 +101,10 @@ def _estimate_json(capsys, *overrides: str) -> tuple[dict, str]:
 
 
 def test_a_published_model_is_judged_on_the_paper_device_and_shape(capsys):
-    implicit, note = _estimate_json(capsys, "model=llama3_8b", "parallel.tp=2")
+    # (calibration=none: the default profile's own note is another line, tested in test_default_calibration)
+    implicit, note = _estimate_json(capsys, "model=llama3_8b", "parallel.tp=2", "calibration=none")
     explicit, quiet = _estimate_json(
-        capsys, "model=llama3_8b", "parallel.tp=2", "device=h100_94gb", "train=paper"
+        capsys, "model=llama3_8b", "parallel.tp=2", "device=h100_94gb", "train=paper", "calibration=none"
     )
     # the same configuration (config_id hashes model, layout, training shape and device) ...
     assert implicit["config_id"] == explicit["config_id"] and implicit["device"] == "h100_94gb"
@@ -189,7 +190,6 @@ def test_a_local_config_json_gives_the_preset_estimate(tmp_path, capsys):
             "num_local_experts (mixture of experts), num_experts_per_tok (mixture of experts)",
         ),
         ({"kv_lora_rank": 512, "q_lora_rank": 1536}, "kv_lora_rank (multi-head latent attention)"),
-        ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window (sliding-window attention)"),
         ({"attention_bias": True}, "attention_bias (biases)"),
         ({"head_dim": 256}, "head_dim 256 ≠ hidden_size/num_attention_heads = 4096/32"),
     ],
@@ -198,6 +198,42 @@ def test_a_config_the_estimator_cannot_model_is_refused_in_one_line(tmp_path, ch
     r = harness_cli("estimate", f"model.hf_config={_config(tmp_path, **changes)}", timeout=120)
     assert r.returncode == 2 and r.stdout == ""
     assert len(r.stderr.strip().splitlines()) == 1 and named in r.stderr, r.stderr
+
+
+def test_a_sliding_window_is_estimated_as_dense_attention_and_said(tmp_path):
+    # Mistral v0.1: sliding_window 4096; the memory is dense attention's, the note says so (issue 31)
+    window = harness_cli(
+        "estimate", f"model.hf_config={_config(tmp_path, model_type='mistral', sliding_window=4096)}"
+    )
+    assert window.returncode == 0, window.stderr
+    assert "sliding-window attention (sliding_window) is estimated as dense attention" in window.stderr
+    dense = harness_cli(
+        "estimate", f"model.hf_config={_config(tmp_path, model_type='mistral', sliding_window=None)}"
+    )
+    assert dense.stdout.split("\n", 1)[1] == window.stdout.split("\n", 1)[1]  # the same figures
+    assert "sliding-window" not in dense.stderr
+
+
+def test_qwen2_is_llama_with_qkv_biases(tmp_path):
+    # Qwen2 carries sliding_window with use_sliding_window false: no window, no note
+    qwen = {"model_type": "qwen2", "sliding_window": 131072, "use_sliding_window": False}
+    done = harness_cli(
+        "estimate", f"model.hf_config={_config(tmp_path, **qwen)}", "format=json", "calibration=none"
+    )
+    llama = harness_cli("estimate", f"model.hf_config={_config(tmp_path)}", "format=json", "calibration=none")
+    assert done.returncode == 0, done.stderr
+    assert "sliding-window" not in done.stderr
+    biases = 32 * (4096 + 2 * 1024)  # Llama-3-8B's shape: per layer h + 2·h·k/a
+    assert json.loads(done.stdout)["params_bytes"] - json.loads(llama.stdout)["params_bytes"] == 4 * biases
+
+
+def test_a_folder_holding_config_json_is_read(tmp_path):
+    folder = tmp_path / "Meta-Llama-3-8B"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA3_8B))
+    done = harness_cli("estimate", f"model.hf_config={folder}", "format=json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["model"] == "Meta-Llama-3-8B"
 
 
 def test_mistral_without_a_window_and_defaults_of_transformers(tmp_path, capsys):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from conftest import model, spec
 
@@ -171,3 +173,15 @@ def test_torch_ddp_peak_at_the_optimizer_step_holds_one_set_of_buckets():
     s = spec("small", parallel_cp=8, train_seq_len=512, train_precision="fp32")
     n = stage_params(s.model, stage=0, pp=1, tp=1)
     assert estimate(s).total_bytes == 20 * n
+
+
+def test_qwen2_counts_its_qkv_biases():
+    # Qwen2.5-7B (config.json of Qwen/Qwen2.5-7B): h 3584, 28 layers, 28 heads, 4 KV heads, f 18944,
+    # v 152064, untied; Q, K and V biases 3584 + 2·512 per layer. Published: 7,615,616,512 parameters.
+    from harness.estimate.params import qkv_bias_params, total_params
+    from harness.spec import ModelSpec
+
+    m = ModelSpec("qwen2.5-7b", 3584, 28, 28, 4, 18944, 152064, qkv_bias=True)
+    assert qkv_bias_params(m) == 3584 + 2 * 512
+    assert total_params(m) == 7_615_616_512
+    assert total_params(dataclasses.replace(m, qkv_bias=False)) == 7_615_616_512 - 28 * 4608

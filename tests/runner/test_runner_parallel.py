@@ -34,21 +34,23 @@ def gradient_sensitive_adam(monkeypatch):
     monkeypatch.setattr(compose, "LEARNING_RATE", 2.0)
 
 
-def run(*, tied: bool = False, **kw) -> dict:
+def run(*, tied: bool = False, bias: bool = False, **kw) -> dict:
     s = spec("tiny", **COMMON, **kw)
-    if tied:
-        s = canonical(dataclasses.replace(s, model=dataclasses.replace(s.model, tie_embeddings=True)))
+    if tied or bias:
+        model = dataclasses.replace(s.model, tie_embeddings=tied, qkv_bias=bias)
+        s = canonical(dataclasses.replace(s, model=model))
     record = run_point(s, timeout_s=240)
     assert record["status"] == "ok", record["error"]
     return record
 
 
-def _reference(*, tied: bool) -> list[float]:
+def _reference(*, tied: bool, bias: bool = False) -> list[float]:
     mp = pytest.MonkeyPatch()
     mp.setattr(compose, "ADAM_EPS", 1.0)
     mp.setattr(compose, "LEARNING_RATE", 2.0)
     try:
-        losses = run(tied=tied, train_micro_batch_size=GLOBAL_BATCH, train_num_microbatches=1)["losses"]
+        one = dict(train_micro_batch_size=GLOBAL_BATCH, train_num_microbatches=1)
+        losses = run(tied=tied, bias=bias, **one)["losses"]
     finally:
         mp.undo()
     # The steps must actually train, or equal losses would prove nothing.
@@ -229,6 +231,24 @@ def test_the_tied_check_catches_untied_training(tied_reference, reference, monke
     losses = run(tied=True, **TIED_LAYOUTS["pp2-1f1b"])["losses"]
     assert losses[0] == pytest.approx(tied_reference[0], rel=RTOL)
     assert losses[1] != pytest.approx(tied_reference[1], rel=RTOL)
+
+
+# Qwen2's Q, K and V biases (issue 31 item 4): sharded with their columns under tensor parallelism,
+# sequence parallelism and context parallelism leave them whole, FSDP2 shards them.
+BIAS_LAYOUTS = {k: LAYOUTS[k] for k in ("tp2-sp", "dp2-tp2-zero3", "pp2-1f1b")} | {
+    "cp2": dict(parallel_cp=2, train_micro_batch_size=4)
+}
+
+
+@pytest.fixture(scope="module")
+def bias_reference() -> list[float]:
+    return _reference(tied=False, bias=True)
+
+
+@pytest.mark.parametrize("layout", BIAS_LAYOUTS, ids=list(BIAS_LAYOUTS))
+def test_qkv_bias_layout_matches_single_rank(layout, bias_reference, reference):
+    assert bias_reference[1] != pytest.approx(reference[1], rel=RTOL)  # the biases change the step
+    assert_same(run(bias=True, **BIAS_LAYOUTS[layout])["losses"], bias_reference)
 
 
 def test_2x2x2_on_eight_processes(reference):

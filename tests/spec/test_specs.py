@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 from conftest import SWEEPS, model, spec
@@ -251,3 +252,18 @@ def test_committed_study_rows_keep_their_ids():
     rows = pd.read_parquet(path).to_dict("records")
     assert rows
     assert [spec_id(from_flat(r)) for r in rows] == [r["config_id"] for r in rows]
+
+
+def test_every_committed_row_keeps_its_config_id():
+    # A field added to a spec (model.qkv_bias, issue 31) must leave every existing point's id alone:
+    # the committed studies' rows are found again by id on resume, and their reports by it.
+    import pandas as pd
+
+    root = Path(__file__).resolve().parents[2] / "results"
+    checked = 0
+    for path in sorted(root.glob("**/dataset.parquet")):
+        frame = pd.read_parquet(path)
+        for _, row in frame[frame["status"].isin(["ok", "oom"])].head(40).iterrows():
+            assert config_id(from_flat(row.to_dict())) == row["config_id"], (path, row["config_id"])
+            checked += 1
+    assert checked >= 100
