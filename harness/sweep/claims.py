@@ -80,13 +80,15 @@ def is_live(info: dict[str, Any] | None, age: float) -> bool:
     """A claim still held. On this host: its process exists — the same process, by its start time —
     whatever the claim's age (a sweep stopped with Ctrl-Z sends no heartbeat and still holds its points:
     issue 29, where its expired claims were taken and the point ran twice). On another host: its
-    heartbeat is recent."""
+    heartbeat is recent — and not dated more than ``EXPIRE_S`` ahead of this host's clock: such a
+    claim (a clock far ahead, or a file touched by hand) would otherwise block its point until that
+    date (issue 29), and a heartbeat that far off cannot be told from a dead one."""
     if info and info.get("host") == _host() and isinstance(info.get("pid"), int):
         if not _pid_alive(info["pid"]):
             return False
         started = info.get("pid_start")
         return started is None or started == process_start(info["pid"])
-    return age <= EXPIRE_S
+    return -EXPIRE_S <= age <= EXPIRE_S
 
 
 def describe(info: dict[str, Any] | None) -> str:

@@ -78,6 +78,21 @@ def test_a_dead_or_silent_claimer_loses_its_claim(tmp_path):
     assert path.exists()
 
 
+def test_a_claim_dated_far_ahead_does_not_block_its_point(tmp_path):
+    # Issue 29: another host's claim dated in the future (clock skew, a touched file) blocked its
+    # point until that date. Within EXPIRE_S ahead it is a live heartbeat; beyond, it is not.
+    path = claims.claim_path(tmp_path, "abc")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"host": "node-17", "pid": 1, "token": "far"}))
+    near = time.time() + claims.EXPIRE_S / 2
+    os.utime(path, (near, near))
+    assert claims.try_claim(tmp_path, "abc", "mine")[0] is False
+    ahead = time.time() + 3600
+    os.utime(path, (ahead, ahead))
+    assert claims.try_claim(tmp_path, "abc", "mine") == (True, None)
+    claims.release(tmp_path, "abc", "mine")
+
+
 def test_the_heartbeat_keeps_a_held_claim_alive_and_no_other(tmp_path):
     assert claims.try_claim(tmp_path, "mine", "t") == (True, None)
     assert claims.try_claim(tmp_path, "given-up", "t") == (True, None)
