@@ -82,7 +82,9 @@ DONE_FILE = ".sweep-done.log"
 
 def start_progress(results_dir: str, *, name: str, launched: int, planned: list[str]) -> None:
     """Called by the sweeper before launching: the sweep's points (config_ids), how many it launches,
-    since when; the done-log restarts."""
+    since when; the done-log restarts. A sweep that launches nothing leaves both alone."""
+    if launched == 0:
+        return  # (issue 29: a sweep that launches nothing reset the running one's count to [1/0])
     root = Path(results_dir)
     root.mkdir(parents=True, exist_ok=True)
     plan = {"name": name, "launched": launched, "started": time.time(), "planned": planned}
@@ -90,14 +92,33 @@ def start_progress(results_dir: str, *, name: str, launched: int, planned: list[
     (root / DONE_FILE).write_text("")
 
 
+def read_plan(results_dir: str | Path) -> dict[str, Any] | None:
+    """The last sweep's plan file, None where there is none or it is not one (issue 29: a malformed
+    ``.sweep-plan.json`` was a traceback in ``results status`` and in every job's progress line)."""
+    try:
+        plan = json.loads((Path(results_dir) / PLAN_FILE).read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+    ok = (
+        isinstance(plan, dict)
+        and isinstance(plan.get("name"), str)
+        and isinstance(plan.get("planned"), list)
+        and all(isinstance(c, str) for c in plan["planned"])
+        and isinstance(plan.get("launched"), int)
+        and not isinstance(plan.get("launched"), bool)
+        and isinstance(plan.get("started"), int | float)
+        and not isinstance(plan.get("started"), bool)
+    )
+    return plan if ok else None
+
+
 def what_is_left(results_dir: str, ids: set[str] | None = None) -> str | None:
     """``sweep cpu_smoke: 8 points, 6 with a row, 2 left`` for the last sweep started in the directory
     (None when no sweep was started there). ``ids``: the runs already read (else they are read)."""
-    try:
-        plan = json.loads((Path(results_dir) / PLAN_FILE).read_text())
-    except (OSError, ValueError):
+    plan = read_plan(results_dir)
+    if plan is None:
         return None
-    planned = set(plan.get("planned", []))
+    planned = set(plan["planned"])
     done = planned & (existing_ids(results_dir) if ids is None else ids)
     left = len(planned) - len(done)
     return f"sweep {plan['name']}: {len(planned)} points, {len(done)} with a row, {left} left"
@@ -133,8 +154,10 @@ def progress_line(results_dir: str, row: dict[str, Any], seconds: float) -> str:
         head += f", reserved {share:.1%} of the card ({how})"
         if verdict not in (None, "fits"):
             head += f", {verdict.replace('_', ' ')}"
+    plan = read_plan(root)
+    if plan is None:
+        return head
     try:
-        plan = json.loads((root / PLAN_FILE).read_text())
         with open(root / DONE_FILE, "a") as log:
             log.write(f"{row['status']}\n")
         statuses = (root / DONE_FILE).read_text().split()

@@ -380,3 +380,27 @@ def test_progress_and_summary_show_the_reserved_level_against_the_card(tmp_path)
     assert "harness sweep: worst reserved / capacity: 97.5% (replayed; dp=2 tp=1 pp=1 cp=1 zero=3)" in text
     cpu = {**measured, "device_name": "cpu"}  # a simulated capacity: nothing to say
     assert progress_line(str(tmp_path), cpu, 1.0).endswith("1.0 s")
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", '{"name": "x"}', '{"name": 1, "planned": "ab"}', "not json"])
+def test_a_malformed_plan_file_is_ignored_not_a_traceback(tmp_path, content):
+    # Issue 29: a malformed .sweep-plan.json was a traceback in results status and in every progress line.
+    from harness.sweep import progress
+
+    (tmp_path / progress.PLAN_FILE).write_text(content)
+    assert progress.read_plan(tmp_path) is None and progress.what_is_left(str(tmp_path)) is None
+    line = progress.progress_line(str(tmp_path), {"status": "ok", "parallel_dp": 1}, 1.0)
+    assert line.startswith("ok dp=1")
+    status = harness_cli("results", "status", f"results_dir={tmp_path}")
+    assert status.returncode == 0 and status.stderr == "", status.stderr
+
+
+def test_a_sweep_that_launches_nothing_leaves_the_running_ones_progress(tmp_path):
+    # Issue 29: a second sweep that launched nothing reset the first's count ([1/0] ... [8/0]).
+    from harness.sweep import progress
+
+    progress.start_progress(str(tmp_path), name="first", launched=8, planned=["a", "b"])
+    progress.progress_line(str(tmp_path), {"status": "ok"}, 1.0)
+    progress.start_progress(str(tmp_path), name="second", launched=0, planned=["a", "b"])
+    assert progress.read_plan(tmp_path)["name"] == "first"
+    assert progress.progress_line(str(tmp_path), {"status": "ok"}, 1.0).startswith("[2/8] ok")
