@@ -27,18 +27,12 @@ def results_command(args: Sequence[str]) -> int:
         path, n, bad = compact(root)
         print(f"{n} runs → {path}")
     else:
-        frame, bad = load_results(root)
+        frame, bad = load_results(root, columns=["config_id", "status"])  # only what it counts
         counts = status_counts(frame)
         print(
             f"{root}: {len(frame)} runs: "
             + (", ".join(f"{s} {n}" for s, n in counts.most_common()) or "none")
         )
-        # The rows calibrate and report leave out, named here too (issue 29: status counted them).
-        _, unusable = usable_runs(frame) if len(frame) else (None, [])
-        for line in unusable[:SHOWN]:
-            print(f"unusable by calibrate and report: {line}")
-        if len(unusable) > SHOWN:
-            print(f"unusable by calibrate and report: ... and {len(unusable) - SHOWN} more")
         ids = set(frame["config_id"]) if "config_id" in frame else set()
         for line in (what_is_left(root, ids), leftover_points(root)):
             if line:
@@ -46,9 +40,6 @@ def results_command(args: Sequence[str]) -> int:
     for line in bad:
         print(f"unreadable: {line}", file=sys.stderr)
     return 0
-
-
-SHOWN = 10  # unusable rows named by results status, at most
 
 
 def writable_target(path: str, key: str, *, directory: bool) -> Path:
