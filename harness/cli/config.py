@@ -68,6 +68,17 @@ def _key(override: str) -> str:
     return override.partition("=")[0].lstrip("+~")
 
 
+# The notes and warnings this command printed on stderr, for its JSON's ``notes`` (issue 31 item 6:
+# they were on stderr only).
+SAID: list[str] = []
+
+
+def say(line: str) -> None:
+    """A note or warning for the user: on stderr, and kept for the command's JSON."""
+    SAID.append(line)
+    print(line, file=sys.stderr)
+
+
 def expand(overrides: Sequence[str]) -> list[str]:
     """The overrides Hydra composes: ``model.hf_config=PATH`` becomes the ``model.*`` fields it reads
     (in its place, so a later ``model.num_layers=`` still wins); ``run.fail_on=oom,crash`` becomes a
@@ -86,7 +97,7 @@ def expand(overrides: Sequence[str]) -> list[str]:
             except HFConfigError as exc:
                 raise ConfigError(str(exc)) from None
             for note in notes:
-                print(f"note: {note}", file=sys.stderr)
+                say(f"note: {note}")
             out += [f"model.{k}={_override_value(v)}" for k, v in fields.items()]
         elif key in LIST_KEYS and "," in value and not value.startswith(("[", "'", '"')):
             out.append(f"{key}=[{value}]")

@@ -25,7 +25,7 @@ from harness.spec import InvalidSpec
 
 
 def _estimate(overrides: Sequence[str]) -> int:
-    from harness.cli.render.common import JSON_UNITS, with_stack
+    from harness.cli.render.common import json_envelope, with_stack
     from harness.cli.render.estimate import estimate_table
     from harness.estimate import estimate
 
@@ -55,8 +55,7 @@ def _estimate(overrides: Sequence[str]) -> int:
                 calibrated_device_total_bytes=device,
                 fits=device / est.capacity_bytes <= threshold,
             )
-        record["units"] = JSON_UNITS
-        print(json.dumps(record, indent=2))
+        print(json.dumps(json_envelope(record), indent=2))
     else:
         table = estimate_table(
             est,
@@ -172,7 +171,9 @@ def _calibrate(overrides: Sequence[str]) -> int:
         if st is not None:
             keys = ("median_ape", "spearman_median", "top1_ratio_median")
             out["throughput"] = {k: st.metrics[k] for k in keys}
-        print(json.dumps(out, indent=2))
+        from harness.cli.render.common import json_envelope
+
+        print(json.dumps(json_envelope(out), indent=2))
     else:
         print(calibration_table(ev, profile_path=str(path)))
         if st is not None:

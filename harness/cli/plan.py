@@ -20,7 +20,7 @@ from harness.spec.validate import MAX_RANKS
 
 
 def plan_command(overrides: Sequence[str]) -> int:
-    from harness.cli.render.common import with_stack
+    from harness.cli.render.common import json_envelope, with_stack
     from harness.cli.render.plan import include_json, include_lines, plan_json, plan_table
     from harness.estimate.plan import PlanOptions, include_rank, plan
 
@@ -73,7 +73,7 @@ def plan_command(overrides: Sequence[str]) -> int:
             out["included"] = include_json(included, rank)
         if verified is not None:
             out["verified"] = [_verified_fields(rank, row, rec) for rank, row, rec in verified]
-        print(json.dumps(out, indent=2))
+        print(json.dumps(json_envelope(out), indent=2))
     else:
         print(
             with_stack(
@@ -157,6 +157,7 @@ def _whole(value, key: str, most: int) -> int:
 def _plan_solve(cfg: dict, opts, fmt: str) -> bool:
     """``plan.solve=min_gpus|max_micro_batch|max_seq_len``: a reverse question (harness.estimate.solve);
     whether it found an answer."""
+    from harness.cli.render.common import json_envelope
     from harness.cli.render.plan import solve_json, solve_table
     from harness.estimate import solve as sv
 
@@ -171,7 +172,8 @@ def _plan_solve(cfg: dict, opts, fmt: str) -> bool:
         raise ValueError(f"plan.solve={question!r} must be null or one of {', '.join(sv.QUESTIONS)}")
     top = int(p["top"])
     if fmt == "json":
-        print(json.dumps({"stack": stack_of_config(cfg).as_record(), **solve_json(solution, opts)}, indent=2))
+        out = {"stack": stack_of_config(cfg).as_record(), **solve_json(solution, opts)}
+        print(json.dumps(json_envelope(out), indent=2))
     else:
         from harness.cli.render.common import with_stack
 

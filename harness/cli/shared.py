@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from harness.cli.config import compose, engine_name, gpu_scale_defaults, run_spec
+from harness.cli.config import compose, engine_name, gpu_scale_defaults, run_spec, say
 
 
 def output_settings(cfg: dict) -> tuple[str, float]:
@@ -79,7 +78,7 @@ def compose_scaled(overrides: Sequence[str]) -> dict:
     overrides, note = gpu_scale_defaults(overrides)
     cfg = compose(overrides)
     if note:
-        print(note, file=sys.stderr)
+        say(note)
     return cfg
 
 
@@ -146,7 +145,7 @@ def profile_of_config(cfg: dict):
 @functools.cache
 def warn_once(line: str) -> None:
     """(threshold=profile loads the profile a second time: one warning still)"""
-    print(line, file=sys.stderr)
+    say(line)
 
 
 def step_time_of_config(cfg: dict):

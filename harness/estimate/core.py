@@ -154,7 +154,11 @@ class Estimate:
         out["outside_allocator_bytes"] = self.outside_allocator_bytes
         out["device_total_bytes"] = self.device_total_bytes
         out["capacity_bytes"] = self.capacity_bytes
+        # One name per level in every command's JSON (issue 31 item 6); ``utilisation`` stays the
+        # allocated level's, as it always was here.
         out["utilisation"] = self.utilisation
+        out["allocated_utilisation"] = self.utilisation
+        out["reserved_utilisation"] = self.reserved_total_bytes / self.capacity_bytes
         out["device_utilisation"] = self.device_utilisation
         if threshold is not None:
             out["threshold"] = threshold

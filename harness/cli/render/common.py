@@ -33,9 +33,23 @@ TERM_MEANINGS = {
 # format=json's units, said in the JSON itself (the table prints utilisation as a percentage).
 JSON_UNITS = {
     "*_bytes": "bytes",
-    "utilisation": "ratio of the predicted peak to capacity_bytes (0.8 = 80 %); in plan, of the device level",
+    "*_utilisation": "ratio of that level (allocated, reserved, device) to capacity_bytes (0.8 = 80 %)",
+    "utilisation": "estimate: the allocated level's ratio; plan: the level the verdict is on (device)",
     "threshold": "ratio (0.8 = 80 %)",
 }
+# Bumped when a JSON field is renamed or changes meaning (fields are only ever added within a version).
+SCHEMA_VERSION = 1
+
+
+def json_envelope(record: dict) -> dict:
+    """Every command's JSON closes with the same fields: ``notes`` (what it said on stderr, added to
+    any of its own), ``units`` and ``schema_version`` (issue 31 item 6)."""
+    from harness.cli.config import SAID
+
+    record["notes"] = [*record.get("notes", []), *SAID]
+    record["units"] = JSON_UNITS
+    record["schema_version"] = SCHEMA_VERSION
+    return record
 
 
 def human(n_bytes: float) -> str:

@@ -6,7 +6,7 @@ import dataclasses
 import math
 from typing import Any
 
-from harness.cli.render.common import JSON_UNITS, _legend, human, layout_line, recompute_label, train_line
+from harness.cli.render.common import _legend, human, layout_line, recompute_label, train_line
 from harness.estimate.plan import PlanOptions, PlanResult, PlanRow
 from harness.spec import config_id
 
@@ -43,13 +43,25 @@ def _row_fields(row: PlanRow) -> dict[str, Any]:
         "calibrated_bytes": row.calibrated_bytes,
         "device_total_bytes": row.predicted_bytes,
         "worst_stage": row.estimate.worst.stage,
-        "utilisation": row.utilisation,
+        "utilisation": row.utilisation,  # the level the verdict is on (device, calibrated with a profile)
+        **_level_shares(row),
         "fits": row.fits,
         "bubble": c.bubble,
         "comm_bytes": round(c.comm_bytes),
         "step_time_proxy_s": None if math.isnan(c.step_time_s) else c.step_time_s,
         "predicted_step_time_s": row.predicted_step_time_s,
         "predicted_tflops_per_device": row.predicted_tflops_per_device,
+    }
+
+
+def _level_shares(row: PlanRow) -> dict[str, float]:
+    """The three levels' shares of the card under the names estimate uses (issue 31 item 6); the device
+    level is the one the verdict is on (``predicted_bytes``: calibrated where plan uses a profile)."""
+    est = row.estimate
+    return {
+        "allocated_utilisation": (row.calibrated_bytes or est.total_bytes) / est.capacity_bytes,
+        "reserved_utilisation": (row.predicted_bytes - est.outside_allocator_bytes) / est.capacity_bytes,
+        "device_utilisation": row.utilisation,
     }
 
 
@@ -64,7 +76,6 @@ def plan_json(result: PlanResult, opts: PlanOptions) -> dict[str, Any]:
         "valid": len(result.rows),
         "fitting": len(result.fitting),
         "layouts": [_row_fields(r) for r in result.fitting],
-        "units": JSON_UNITS,
     }
 
 
@@ -338,7 +349,6 @@ def solve_json(solution, opts: PlanOptions) -> dict[str, Any]:
     }
     if solution.plan is not None:
         out["plan"] = plan_json(solution.plan, dataclasses.replace(opts, gpus=solution.answer))
-    out["units"] = JSON_UNITS
     return out
 
 

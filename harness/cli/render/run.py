@@ -20,7 +20,9 @@ def _clean(value: Any) -> Any:
 def record_json(record: dict[str, Any]) -> str:
     import json
 
-    return json.dumps({k: _clean(v) for k, v in record.items()}, indent=2)
+    from harness.cli.render.common import json_envelope
+
+    return json.dumps(json_envelope({k: _clean(v) for k, v in record.items()}), indent=2)
 
 
 def _timing(r: dict[str, Any]) -> str:
