@@ -82,7 +82,7 @@ def say(line: str) -> None:
 def expand(overrides: Sequence[str]) -> list[str]:
     """The overrides Hydra composes: ``model.hf_config=PATH`` becomes the ``model.*`` fields it reads
     (in its place, so a later ``model.num_layers=`` still wins); ``run.fail_on=oom,crash`` becomes a
-    list."""
+    list; a path (:data:`PATH_KEYS`) is quoted for Hydra where it needs to be."""
     from harness.spec.hf_config import HFConfigError, model_fields
 
     out = []
@@ -101,9 +101,44 @@ def expand(overrides: Sequence[str]) -> list[str]:
             out += [f"model.{k}={_override_value(v)}" for k, v in fields.items()]
         elif key in LIST_KEYS and "," in value and not value.startswith(("[", "'", '"')):
             out.append(f"{key}=[{value}]")
+        elif key.lstrip("+~") in PATH_KEYS:
+            out.append(quote_path(o))
         else:
             out.append(o)
     return out
+
+
+# Keys whose values are paths: given as they are (issue 29: a path with a comma, a bracket or a quote
+# had to be quoted for Hydra here, and not for `results` or `model.hf_config`, which take it as it is).
+PATH_KEYS = (
+    "results_dir",
+    "calibration",
+    "trace",
+    "report.out",
+    "calibrate.profile",
+    "plan.emit",
+    "run.fake_cache",
+    "hydra.sweep.dir",
+    "hydra.run.dir",
+)
+_HYDRA_SPECIAL = set(" ,[]{}()'\"=:$\\")
+
+
+def quote_path(override: str) -> str:
+    """``KEY=PATH`` for a key of :data:`PATH_KEYS`, its path quoted for Hydra where it needs to be (a
+    value already quoted is left as the user wrote it); any other override as it is."""
+    key, eq, value = override.partition("=")
+    if not eq or key.lstrip("+~") not in PATH_KEYS or not value or value.startswith(("'", '"')):
+        return override
+    return f"{key}={_hydra_quoted(value)}"
+
+
+def _hydra_quoted(value: str) -> str:
+    """``value`` as a Hydra override reads it verbatim: single-quoted where it holds a character the
+    override grammar treats specially (backslash and quote escaped), else as it is."""
+    if not _HYDRA_SPECIAL & set(value):
+        return value
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def _override_value(value) -> str:

@@ -74,7 +74,9 @@ def sweep(overrides: Sequence[str]) -> int:
         )
         return run_job(plain)
 
-    overrides = [retry_as_list(o) for o in overrides]
+    from harness.cli.config import quote_path
+
+    overrides = [quote_path(retry_as_list(o)) for o in overrides]
     if not any(o.lstrip("+~").startswith("study=") for o in overrides):  # a study names its own device
         from harness.cli.config import gpu_scale_defaults
 

@@ -4,6 +4,7 @@ closing summary with the next commands."""
 from __future__ import annotations
 
 import json
+import shlex
 import time
 from collections import Counter
 from pathlib import Path
@@ -42,7 +43,7 @@ def closing_summary(results_dir: str, planned: list[str]) -> str:
             lines.append(f"harness sweep: worst reserved / capacity: {share:.1%} ({how}; {_layout(row)})")
     for line in bad:
         lines.append(f"harness sweep: unreadable: {line}")
-    at = f"results_dir={results_dir}"
+    at = shlex.quote(f"results_dir={results_dir}")  # (issue 29: a path with spaces printed unquoted)
     lines.append(f"harness sweep: one row per point in {results_dir}; next:")
     lines.append(
         f"  harness results status {at}   (counts)   harness results compact {at}   (one dataset.parquet)"

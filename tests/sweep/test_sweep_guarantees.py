@@ -404,3 +404,19 @@ def test_a_sweep_that_launches_nothing_leaves_the_running_ones_progress(tmp_path
     progress.start_progress(str(tmp_path), name="second", launched=0, planned=["a", "b"])
     assert progress.read_plan(tmp_path)["name"] == "first"
     assert progress.progress_line(str(tmp_path), {"status": "ok"}, 1.0).startswith("[2/8] ok")
+
+
+def test_a_path_is_given_as_it_is_in_every_command(tmp_path):
+    # Issue 29: a path with a comma, a bracket or a quote had to be quoted for Hydra in most commands
+    # and not in `results`; the sweep's closing lines printed it unquoted.
+    import shlex
+
+    odd = tmp_path / "it's a [dir], really"
+    done = harness_cli("sweep", *POINT, f"results_dir={odd}", "sweep.name=t")
+    assert done.returncode == 0, done.stderr
+    assert any((odd).glob("*.parquet"))
+    assert f"harness results status {shlex.quote(f'results_dir={odd}')}" in done.stdout + done.stderr
+    status = harness_cli("results", "status", f"results_dir={odd}")
+    assert status.returncode == 0 and "1 runs" in status.stdout, status.stdout + status.stderr
+    missing = harness_cli("estimate", "model=tiny", f"calibration={odd / 'none.json'}")
+    assert missing.returncode == 2 and "none.json" in missing.stderr  # read as the path, not a parse error
