@@ -1,23 +1,29 @@
-"""What the optimizer step adds to the reserved level (issue 32): its temporaries placed into the cache
-that forward and backward left, by the caching allocator's rules; what finds no cached block opens
-segments of its own, above everything the step before it reserved.
+"""The reserved level's mechanism terms (issue 32): the caching allocator's rules applied to the tensors
+the engine already counts, for what the rules open beyond the allocated peak.
 
-The mechanism, found by replaying fake traces of the paper's grids (docs/gpu-memory.md): the caching
-allocator never gives segments back during a step, so when the optimizer step starts, every block that
-held an activation is cached and free, in segments sized for activations. A ``foreach`` AdamW step then
-allocates one FP32 temporary per parameter (``_foreach_sqrt(exp_avg_sq)``, all alive together), and a
-request only fits a free block at least as large (``get_free_block``). A SwiGLU weight's temporary is
-h·f/t·4 B and the largest activation s·b·f/(t·c)·e B: it fits only where s·b/c ≥ 4h/e — on Llama-2-13B
-(h 5120) at tp 2, sequence 4096, micro-batch 1 none of the 60 FFN temporaries finds a block, and the step
-opens 12 GiB of segments over a cache of 91 GiB (replayed: 103.5 GiB reserved on 88.7 GiB allocated).
-Before this term, the engine's reserved level sat 9 % below the replays at the median point.
+Found by replaying fake traces of the paper's grids and reading which segments the replay opened
+(docs/gpu-memory.md), two mechanisms, one term each:
+
+- ``reduce_stream``: blocks are cached per stream (``get_pool``). The FP32 gradient blocks that
+  ``replicate`` and FSDP2 allocate on their reduce stream (one per unit, alive until the optimizer step
+  is done) can use none of the compute stream's cache: each opens a segment. On Llama-2-13B tp 2 × pp 2
+  × dp 2 that is 11.8 GiB of the 14.9 GiB the replay reserved above the allocated peak.
+- ``optimizer_step_segments``: the allocator never gives segments back during a step, so when the
+  optimizer step starts every block that held an activation or a buffer is cached and free. A
+  ``foreach`` AdamW step allocates one FP32 temporary per parameter tensor (``_foreach_sqrt``, all
+  alive together), and a request fits only a free block at least as large (``get_free_block``): a
+  SwiGLU weight's temporary is h·f/t·4 B, the largest activation s·b·f/(t·c)·e B. Where the gradients
+  were freed before the step (replicate, DDP under no_sync) their blocks hold the temporaries. On
+  Llama-2-13B tp 2 × pp 4 with one data-parallel rank, 20 of the 30 FFN temporaries open a segment.
 
 The cache is modelled as the blocks of the tensors alive at the forward/backward peak (every activation
-tensor of every layer and in-flight micro-batch at its own size, and each temporary buffer); a block of
-at least 10 MiB is a segment of its own rounded up to 2 MiB, smaller ones share 20 MiB segments
-(``get_allocation_size``). The temporaries are placed in parameter order by best fit, a remainder over
+tensor of every layer and in-flight micro-batch at its own size, each temporary buffer, parameter
+copies); a block of at least 10 MiB is a segment of its own rounded up to 2 MiB, smaller ones share
+20 MiB segments (``get_allocation_size``). The temporaries are placed by best fit, a remainder over
 1 MiB split off as a free block (``should_split``, large pool). Written by hand over counts, not by
 replaying :mod:`harness.alloc` (a layer below this one): ``plan`` asks it of every candidate and stage.
+Not modelled (named in docs/gpu-memory.md): fragmentation inside forward and backward, which
+calibration fits.
 """
 
 from __future__ import annotations
@@ -123,7 +129,7 @@ def reduce_stream_segments(spec: RunSpec, stage: int) -> int:
     """What the blocks of :func:`reduce_stream_units` reserve: blocks are cached per stream
     (``get_pool``), so the compute stream's cache cannot serve them and each opens a segment of its
     own. Traced: Llama-2-13B tp 2 × pp 2 × dp 2 (``replicate``), twenty 605 MiB segments and one of
-    312 MiB on stream 2, 11.8 GiB of the 14.9 GiB the replay reserved above the allocated peak;
+    314 MiB on stream 2, 11.8 GiB of the 14.9 GiB the replay reserved above the allocated peak;
     Llama-3-8B dp 8 ZeRO-3 (torchtitan's defaults), 32 segments of 106 MiB and two of 252 MiB."""
     m, p = spec.model, spec.parallel
     head = kept_head(m, p) if stage == p.pp - 1 else 0
@@ -150,10 +156,8 @@ def cached_blocks(spec: RunSpec, stage: int, terms: dict[str, int]) -> Counts:
     layer = _layer_blocks(m, p.tp, p.cp, p.sequence_parallel, torch_autocast(p, t), t)
     copies = round(terms.get("activations", 0) / max(1, layer[2]))
     whole = _parameter_tensors(m, p.tp, p.pp, stage, 1, 0)
-    sets = 0
-    if terms.get(
-        "param_copies", 0
-    ):  # one compute-dtype copy per parameter tensor, as many sets as the term holds
+    sets = 0  # compute-dtype copies: one per parameter tensor, as many sets as the term holds
+    if terms.get("param_copies", 0):
         sets = max(1, round(terms["param_copies"] / max(1, 2 * sum(n * c for n, c in whole))))
     buffers = tuple(terms.get(k, 0) for k in CACHED_BUFFERS)
     return _blocks(layer, copies, buffers, whole, grads_freed_before_step(p, t, stage), sets)
