@@ -254,8 +254,9 @@ def _place(blocks: Counts, requests: Counts) -> int:
     """Bytes of the segments opened for ``requests`` over the free ``blocks`` by the allocator's rules:
     best fit (``get_free_block``: the smallest free block at least as large), a remainder over 1 MiB
     split off and cached (``should_split``), no fit → a new segment (``get_allocation_size``) whose
-    remainder is cached. Requests are placed largest first: ``foreach`` allocates them in parameter
-    order, which can only pack as well or worse, so this is the fewest segments the step opens."""
+    remainder is cached. Requests are placed largest first, by size class (``foreach`` allocates them
+    in parameter order; the order changes only which blocks are split, and lets the placement work on
+    a few size classes instead of every tensor)."""
     free = dict(blocks)
     opened = 0
     for size, count in sorted(requests, reverse=True):
