@@ -1,8 +1,9 @@
 """Figures from a results frame and its calibration evaluation (matplotlib, no torch).
 
 Each function draws one figure and saves it as PNG and SVG (deterministic files: no dates, fixed SVG
-ids) and returns the paths. Memory in MiB (2^20 bytes), utilisation as a fraction of the device's
-capacity, throughput in the unit the data needs (TFLOP/s on GPUs, GFLOP/s on this CPU).
+ids) and returns the paths. Memory in GiB where the peaks reach 8 GiB, else MiB (2^20 bytes); a fake
+run's peak is "traced", a real one's "measured"; utilisation as a fraction of the device's capacity,
+throughput in the unit the data needs (TFLOP/s on GPUs, GFLOP/s on this CPU).
 """
 
 from __future__ import annotations
@@ -38,9 +39,21 @@ def _save(fig, out_dir: Path, name: str) -> list[Path]:
     return paths
 
 
-def _capacities_mib(ev: Evaluation) -> list[float]:
-    """The device capacities of the runs (MiB), at most three (the figure's lines)."""
-    return sorted({float(c) / MIB for c in np.unique(ev.data.capacity)})[:3]
+def _capacities(ev: Evaluation, unit: float) -> list[float]:
+    """The device capacities of the runs (in ``unit``), at most three (the figure's lines)."""
+    return sorted({float(c) / unit for c in np.unique(ev.data.capacity)})[:3]
+
+
+def memory_unit(peaks_bytes: np.ndarray) -> tuple[float, str]:
+    """GiB where the peaks reach 8 GiB (paper scale: MiB axes read 10^5; issue 31), else MiB."""
+    finite = peaks_bytes[np.isfinite(peaks_bytes)]
+    return (2.0**30, "GiB") if finite.size and finite.max() >= 8 * 2**30 else (float(MIB), "MiB")
+
+
+def peak_word(frame: pd.DataFrame) -> str:
+    """What the runs' peaks are: "traced" where every run is a fake trace, else "measured"."""
+    methods = frame.get("memory_method")
+    return "traced" if methods is not None and len(frame) and (methods == "fake").all() else "measured"
 
 
 def predicted_vs_measured(ev: Evaluation, out_dir: Path) -> list[Path]:
@@ -50,23 +63,26 @@ def predicted_vs_measured(ev: Evaluation, out_dir: Path) -> list[Path]:
     from a fit that did not see its group (the panels say so)."""
     data = ev.data
     m = data.measured
-    y = data.frame["peak_allocated_bytes"].to_numpy(dtype=float) / MIB
+    peaks = data.frame["peak_allocated_bytes"].to_numpy(dtype=float)
+    unit, unit_name = memory_unit(peaks[m])
+    word = peak_word(data.frame)
+    y = peaks / unit
     status = data.frame["status"].to_numpy()
     fig, axes = plt.subplots(2, 2, figsize=(9, 8.5), sharex=True, sharey=True)
-    lo = min(y[m].min(), *(ev.predictions[n][m].min() / MIB for n in ESTIMATORS)) * 0.8
-    hi = max(y[m].max(), *(ev.predictions[n][m].max() / MIB for n in ESTIMATORS)) * 1.25
+    lo = min(y[m].min(), *(ev.predictions[n][m].min() / unit for n in ESTIMATORS)) * 0.8
+    hi = max(y[m].max(), *(ev.predictions[n][m].max() / unit for n in ESTIMATORS)) * 1.25
     line = np.array([lo, hi])
     for ax, name in zip(axes.flat, ESTIMATORS, strict=True):
-        pred = ev.predictions[name] / MIB
+        pred = ev.predictions[name] / unit
         ax.fill_between(line, line * 0.9, line * 1.1, color="0.85", label="±10 %")
-        ax.plot(line, line, color="0.3", lw=1, label="predicted = measured")
+        ax.plot(line, line, color="0.3", lw=1, label=f"predicted = {word}")
         for st, (color, marker, label) in STATUS_STYLE.items():
             rows = m & (status == st)
             if rows.any():
                 ax.scatter(
                     y[rows], pred[rows], s=14, c=color, marker=marker, lw=1, label=f"{label} ({rows.sum()})"
                 )
-        for k, cap in enumerate(_capacities_mib(ev)):
+        for k, cap in enumerate(_capacities(ev, unit)):
             label = "device capacity" if k == 0 else None
             ax.axvline(cap, color="tab:red", ls="--", lw=0.9, label=label)
             ax.axhline(cap, color="tab:red", ls="--", lw=0.9)
@@ -84,14 +100,18 @@ def predicted_vs_measured(ev: Evaluation, out_dir: Path) -> list[Path]:
         ax.set_yscale("log")
         ax.set_xlim(lo, hi)
         ax.set_ylim(lo, hi)
+        for axis in (ax.xaxis, ax.yaxis):  # plain numbers at 1-2-5 steps, not 10^5 (issue 31)
+            axis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            axis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+            axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(True, which="major", alpha=0.3)
     for ax in axes[1]:
-        ax.set_xlabel("measured peak allocated per rank (MiB)")
+        ax.set_xlabel(f"{word} peak allocated per rank ({unit_name})")
     for ax in axes[:, 0]:
-        ax.set_ylabel("predicted peak per rank (MiB)")
+        ax.set_ylabel(f"predicted peak per rank ({unit_name})")
     axes[0, 0].legend(loc="upper left", fontsize=8)
     fig.suptitle(
-        f"Predicted vs measured peak memory ({int(m.sum())} runs with a measured peak); no panel is "
+        f"Predicted vs {word} peak memory ({int(m.sum())} runs with a {word} peak); no panel is "
         "in-sample; dashed red: device capacity"
     )
     return _save(fig, out_dir, "predicted_vs_measured")
@@ -145,45 +165,47 @@ def throughput_unit(frame: pd.DataFrame) -> tuple[float, str]:
 
 
 def throughput_heatmap(frame: pd.DataFrame, out_dir: Path) -> list[Path]:
-    """The best throughput per device for each tp x pp, one panel per model and world size (best over
-    dp, cp, ZeRO, micro-batch and the rest: what a user who tuned everything else would get)."""
+    """The best throughput per device for each tp x pp, one panel per model and world size that has
+    successful runs, each with only the tp and pp degrees it ran (best over dp, cp, ZeRO, micro-batch
+    and the rest: what a user who tuned everything else would get). No empty panel (issue 31: 14 of
+    24 were)."""
     ok = frame[(frame["status"] == "ok") & frame["tflops_per_device"].notna()].copy()
     ok["world"] = world_of(ok)
-    models = sorted(ok["model_name"].unique())
-    worlds = sorted(w for w in ok["world"].unique() if w > 1)
+    ok = ok[ok["world"] > 1]
+    pairs = sorted({(m, int(w)) for m, w in zip(ok["model_name"], ok["world"], strict=True)})
     scale, unit = throughput_unit(ok)
-    tps, pps = sorted(ok["parallel_tp"].unique()), sorted(ok["parallel_pp"].unique())
+    cols = min(4, max(1, len(pairs)))
+    rows = max(1, -(-len(pairs) // cols))
     fig, axes = plt.subplots(
-        len(models), len(worlds), figsize=(3.9 * len(worlds), 3.2 * len(models)), squeeze=False
+        rows, cols, figsize=(3.9 * cols, 3.4 * rows), squeeze=False, layout="constrained"
     )
-    for i, model in enumerate(models):
-        for j, world in enumerate(worlds):
-            ax = axes[i, j]
-            sub = ok[(ok["model_name"] == model) & (ok["world"] == world)]
-            grid = np.full((len(tps), len(pps)), np.nan)
-            for (tp, pp), val in (
-                sub.groupby(["parallel_tp", "parallel_pp"])["tflops_per_device"].max().items()
-            ):
-                grid[tps.index(tp), pps.index(pp)] = val * scale
-            # A colour scale per panel: models and world sizes differ by orders of magnitude, and one
-            # shared scale leaves every small panel in its dark end.
-            vmin, vmax = (np.nanmin(grid), np.nanmax(grid)) if not np.isnan(grid).all() else (0, 1)
-            if vmin == vmax:
-                vmin = 0.0
-            im = ax.imshow(grid, cmap="viridis", vmin=vmin, vmax=vmax, origin="lower")
-            fig.colorbar(im, ax=ax, shrink=0.8)
-            for (a, b), val in np.ndenumerate(grid):
-                if not np.isnan(val):
-                    ax.text(b, a, f"{val:.1f}", ha="center", va="center", fontsize=8,
-                            color="w" if val < vmin + (vmax - vmin) * 0.6 else "k")  # fmt: skip
-            ax.set_xticks(range(len(pps)), [str(p) for p in pps])
-            ax.set_yticks(range(len(tps)), [str(t) for t in tps])
-            ax.set_xlabel("pp")
-            ax.set_ylabel("tp")
-            ax.set_title(f"{model}, {int(world)} ranks", fontsize=9)
+    for ax in axes.flat[len(pairs) :]:
+        ax.set_visible(False)
+    for ax, (model, world) in zip(axes.flat, pairs, strict=False):
+        sub = ok[(ok["model_name"] == model) & (ok["world"] == world)]
+        tps, pps = sorted(sub["parallel_tp"].unique()), sorted(sub["parallel_pp"].unique())
+        grid = np.full((len(tps), len(pps)), np.nan)
+        for (tp, pp), val in sub.groupby(["parallel_tp", "parallel_pp"])["tflops_per_device"].max().items():
+            grid[tps.index(tp), pps.index(pp)] = val * scale
+        # A colour scale per panel: models and world sizes differ by orders of magnitude, and one shared
+        # scale leaves every small panel in its dark end.
+        vmin, vmax = np.nanmin(grid), np.nanmax(grid)
+        if vmin == vmax:
+            vmin = 0.0
+        im = ax.imshow(grid, cmap="viridis", vmin=vmin, vmax=vmax, origin="lower")
+        fig.colorbar(im, ax=ax, shrink=0.8)
+        for (a, b), val in np.ndenumerate(grid):
+            if not np.isnan(val):
+                ax.text(b, a, f"{val:.1f}", ha="center", va="center", fontsize=8,
+                        color="w" if val < vmin + (vmax - vmin) * 0.6 else "k")  # fmt: skip
+        ax.set_xticks(range(len(pps)), [str(p) for p in pps])
+        ax.set_yticks(range(len(tps)), [str(t) for t in tps])
+        ax.set_xlabel("pp")
+        ax.set_ylabel("tp")
+        ax.set_title(f"{model}, {world} ranks", fontsize=9)
     fig.suptitle(
-        f"Best model {unit} per rank by tensor x pipeline degree (blank: no successful run); each panel "
-        "has its own colour scale"
+        f"Best model {unit} per rank by tensor x pipeline degree (blank cell: no successful run); each "
+        "panel has its own colour scale"
     )
     return _save(fig, out_dir, "throughput_tp_pp")
 
@@ -238,7 +260,8 @@ def residuals_by_term(ev: Evaluation, out_dir: Path) -> list[Path]:
     labels = [f"{g} ({(groups == g).sum()})" for g in order]
     right.set_xticks(pos, labels, fontsize=8, rotation=40, ha="right", rotation_mode="anchor")
     right.set_xlabel("parallel axes used (runs)")
-    right.set_ylabel("(predicted − measured) / measured (%)")
+    word = peak_word(data.frame)
+    right.set_ylabel(f"(predicted − {word}) / {word} (%)")
     right.set_title("Held-out error by layout family (grey band ±10 %)", fontsize=9)
     right.legend(fontsize=8)
     fig.tight_layout()
