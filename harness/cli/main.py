@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 
 from harness import __version__
@@ -20,7 +21,7 @@ from harness.cli.shared import (
     profile_of_config,
     stack_of_config,
 )
-from harness.runner.procs import Terminated
+from harness.runner.procs import Terminated, _raise_terminated
 from harness.spec import InvalidSpec
 
 
@@ -242,6 +243,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bad and not wants_help:
         print(f"harness {command}: error: override {bad[0]!r} is not key=value", file=sys.stderr)
         return 2
+    # SIGTERM anywhere in a command (issue 29: during a sweep's launch or its closing summary it was
+    # silent, exit -15) becomes Terminated: one line, exit 143. The point's supervisor reaps its ranks.
+    previous = None
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    ):
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return _help(command, overrides) if wants_help else COMMANDS[command](overrides)
     except BrokenPipeError:
@@ -272,6 +281,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 128 + signal.SIGTERM
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

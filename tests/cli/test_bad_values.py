@@ -235,3 +235,21 @@ def test_estimate_json_carries_the_resolved_configuration(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["train"]["num_microbatches"] == 1 and out["train"]["recompute"] == "op"
     assert out["parallel"]["fsdp_reshard_after_forward"] == "default" and out["stack"]["name"] == "torchtitan"
+
+
+def test_sigterm_outside_a_point_is_one_line_and_exit_143(monkeypatch, capsys):
+    # Issue 29: SIGTERM during a sweep's launch or closing summary (no point running, so no
+    # supervisor's handler) killed the command silently, exit -15. Every command turns it into one line.
+    import signal
+
+    import harness.estimate
+
+    def terminated(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("SIGTERM should have ended the command")
+
+    monkeypatch.setattr(harness.estimate, "estimate", terminated)
+    assert main(["estimate", "model=tiny"]) == 128 + signal.SIGTERM
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("harness estimate: terminated (SIGTERM)")
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the command's handler is undone
