@@ -19,6 +19,19 @@ def retry_as_list(override: str) -> str:
     return override
 
 
+def _check_creatable(path: str, key: str) -> None:
+    """A directory the sweep writes in, made now (Hydra would make it anyway, after the claims): a
+    path it cannot make is one line (ConfigError), not Hydra's traceback (issue 29)."""
+    from pathlib import Path
+
+    from harness.cli.config import ConfigError
+
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{key}={path}: cannot create it ({exc.strerror or exc})") from None
+
+
 def check_overrides(overrides: Sequence[str]) -> None:
     """Compose the sweep's first point before Hydra runs: a bad key or value is one line (ConfigError,
     exit 2) instead of Hydra's several (issue 12)."""
@@ -44,6 +57,10 @@ def check_overrides(overrides: Sequence[str]) -> None:
 
     cfg = compose(first)
     require_runnable(cfg, "sweep")
+    for o in overrides:  # issue 29: an unusable hydra.sweep.dir was Hydra's traceback after the claims
+        key, _, value = o.partition("=")
+        if key.lstrip("+~") == "hydra.sweep.dir" and value:
+            _check_creatable(value.strip("'\""), "hydra.sweep.dir")
     # Every swept value of a spec key has the key's type (issue 29: parallel.tp=1,abc made an invalid row
     # for "abc", exit 0, where estimate calls it a usage error): each composed with the others' first.
     configs = [cfg] + [

@@ -274,6 +274,12 @@ def test_unusable_results_dirs_are_one_line_errors(tmp_path):
     err = one_line_error(harness_cli("results", "compact", f"results_dir={missing}"))
     assert err == f"harness results: error: results_dir={missing} is not a directory"
     assert not missing.exists()  # compact used to create it
+    # an unusable hydra.sweep.dir was Hydra's traceback after the claims (issue 29); no claim is left
+    err = one_line_error(
+        harness_cli("sweep", *POINT, f"results_dir={tmp_path / 'r'}", f"hydra.sweep.dir={a_file}/x")
+    )
+    assert err == f"harness sweep: error: hydra.sweep.dir={a_file}/x: cannot create it (Not a directory)"
+    assert not list((tmp_path / "r").glob(".claims/*.claim"))
 
 
 def test_usage_errors_are_one_line(tmp_path):
