@@ -22,9 +22,10 @@ PLAN_LEGEND = (
 
 
 def _row_fields(row: PlanRow) -> dict[str, Any]:
-    spec, c = row.estimate.spec, row.cost
+    """A layout's JSON fields: its spec, the levels and verdict, and for a fitting layout its cost."""
+    spec = row.estimate.spec
     p, t = spec.parallel, spec.train
-    return {
+    out = {
         "config_id": config_id(spec),
         "parallel_dp": p.dp,
         "parallel_tp": p.tp,
@@ -46,12 +47,17 @@ def _row_fields(row: PlanRow) -> dict[str, Any]:
         "utilisation": row.utilisation,  # the level the verdict is on (device, calibrated with a profile)
         **_level_shares(row),
         "fits": row.fits,
-        "bubble": c.bubble,
-        "comm_bytes": round(c.comm_bytes),
-        "step_time_proxy_s": None if math.isnan(c.step_time_s) else c.step_time_s,
-        "predicted_step_time_s": row.predicted_step_time_s,
-        "predicted_tflops_per_device": row.predicted_tflops_per_device,
     }
+    c = row.cost
+    if c is not None:  # (computed for fitting layouts only)
+        out.update(
+            bubble=c.bubble,
+            comm_bytes=round(c.comm_bytes),
+            step_time_proxy_s=None if math.isnan(c.step_time_s) else c.step_time_s,
+            predicted_step_time_s=row.predicted_step_time_s,
+            predicted_tflops_per_device=row.predicted_tflops_per_device,
+        )
+    return out
 
 
 def _level_shares(row: PlanRow) -> dict[str, float]:
@@ -105,27 +111,8 @@ def include_lines(row: PlanRow, rank: int | None, result: PlanResult, opts: Plan
 
 
 def include_json(row: PlanRow, rank: int | None) -> dict[str, Any]:
-    out = _row_fields(row) if row.cost is not None else {k: v for k, v in _row_fields_basic(row).items()}
-    out["rank"] = rank
-    return out
-
-
-def _row_fields_basic(row: PlanRow) -> dict[str, Any]:
-    spec = row.estimate.spec
-    p, t = spec.parallel, spec.train
-    return {
-        "config_id": config_id(spec),
-        **{f"parallel_{k}": getattr(p, k) for k in ("dp", "tp", "pp", "cp", "zero_stage", "pp_schedule")},
-        "parallel_virtual_stages": p.virtual_stages,
-        "train_micro_batch_size": t.micro_batch_size,
-        "train_num_microbatches": t.num_microbatches,
-        "train_recompute": t.recompute,
-        "total_bytes": row.estimate.total_bytes,
-        "calibrated_bytes": row.calibrated_bytes,
-        "device_total_bytes": row.predicted_bytes,
-        "utilisation": row.utilisation,
-        "fits": row.fits,
-    }
+    """``plan.include``'s JSON: the layout's fields and its rank among the fitting (None: it does not fit)."""
+    return {**_row_fields(row), "rank": rank}
 
 
 def breaking_term(row: PlanRow, threshold: float) -> str:
