@@ -340,17 +340,5 @@ def solve_json(solution, opts: PlanOptions) -> dict[str, Any]:
 
 
 def _solve_row(row: PlanRow) -> dict[str, Any]:
-    fields = _row_fields(row) if row.cost is not None else {}
     spec = row.estimate.spec
-    fields.update(
-        config_id=config_id(spec),
-        world_size=spec.parallel.world,
-        train_micro_batch_size=spec.train.micro_batch_size,
-        train_seq_len=spec.train.seq_len,
-        total_bytes=row.estimate.total_bytes,
-        calibrated_bytes=row.calibrated_bytes,
-        device_total_bytes=row.predicted_bytes,
-        utilisation=row.utilisation,
-        fits=row.fits,
-    )
-    return fields
+    return {**_row_fields(row), "world_size": spec.parallel.world, "train_seq_len": spec.train.seq_len}
