@@ -15,6 +15,8 @@ from conftest import harness_cli, spec
 from harness.analysis.profile import PROFILE_FORMAT, PROFILE_VERSION, CalibrationError, load_profile
 from harness.estimate import TERMS, estimate
 
+ROOT = Path(__file__).resolve().parents[2]
+
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "results_small"
 
 
@@ -189,3 +191,24 @@ def test_calibrate_records_what_the_profile_was_fitted_on(tmp_path):
     low, high = seen["model_params"]
     assert 0 < low <= high and seen["torch_versions"]
     assert load_profile(profile).outside(spec("llama3_70b", "h100_80gb")) is not None
+
+
+def test_a_profile_fitted_over_the_mechanism_terms_adds_them_on_every_stage():
+    # Issue 32: the paper-scale profile's fragmentation comes on top of the estimator's mechanism terms;
+    # its reserved level is the max over stages of allocated + mechanism + fitted fragmentation, which the
+    # bounded search (only the stages that can be the worst get their mechanism terms) must equal.
+    from harness.estimate.levels import mechanism_bytes
+
+    profile = load_profile(ROOT / "results/paper_fake/h100_94gb/calibration.json")
+    assert profile.fragmentation["over_mechanism"] is True
+    for overrides in (
+        {"parallel_dp": 2, "parallel_tp": 2, "parallel_pp": 2},
+        {"parallel_tp": 2, "parallel_pp": 4, "parallel_dp": 2},
+        {"parallel_dp": 8, "parallel_zero_stage": 3},
+    ):
+        s = spec("llama2_13b", "h100_94gb", train_precision="bf16", train_seq_len=4096, **overrides)
+        est = estimate(s)
+        every = max(profile.stage_reserved_bytes(st.terms, mechanism_bytes(est, st)) for st in est.stages)
+        assert profile.reserved_bytes(est) == round(every)
+        without = max(profile.stage_reserved_bytes(st.terms) for st in est.stages)
+        assert profile.reserved_bytes(est) >= without
