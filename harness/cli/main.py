@@ -243,6 +243,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bad and not wants_help:
         print(f"harness {command}: error: override {bad[0]!r} is not key=value", file=sys.stderr)
         return 2
+    # What this command says on stderr, once each, and nothing a command before it in this process said
+    # (its JSON's notes; main() runs in-process in tests and tools).
+    from harness.cli.config import SAID
+    from harness.cli.shared import warn_once
+
+    SAID.clear()
+    warn_once.cache_clear()
     # SIGTERM anywhere in a command (issue 29: during a sweep's launch or its closing summary it was
     # silent, exit -15) becomes Terminated: one line, exit 143. The point's supervisor reaps its ranks.
     previous = None
