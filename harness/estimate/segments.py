@@ -307,6 +307,7 @@ def segment_terms(spec: RunSpec, stage: int, terms: dict[str, int]) -> dict[str,
 def segment_terms_bound(spec: RunSpec, stage: int, terms: dict[str, int]) -> int:
     """An upper bound of the sum of :func:`segment_terms`: the reduce stream's segments plus a
     segment of its own for every temporary of the optimizer step (at most 20 MiB above it)."""
-    step = terms.get("optimizer_step", 0)
-    count = sum(c for _, c in step_temporaries(spec, stage)) if step else 0
-    return reduce_stream_segments(spec, stage) + step + count * KLARGE_BUFFER
+    if not terms.get("optimizer_step", 0):
+        return reduce_stream_segments(spec, stage)
+    temporaries = step_temporaries(spec, stage)  # (not the optimizer_step term: ZeRO-1 rounds up by tensor)
+    return reduce_stream_segments(spec, stage) + sum(c * (n + KLARGE_BUFFER) for n, c in temporaries)
