@@ -309,5 +309,11 @@ def segment_terms_bound(spec: RunSpec, stage: int, terms: dict[str, int]) -> int
     segment of its own for every temporary of the optimizer step (at most 20 MiB above it)."""
     if not terms.get("optimizer_step", 0):
         return reduce_stream_segments(spec, stage)
-    temporaries = step_temporaries(spec, stage)  # (not the optimizer_step term: ZeRO-1 rounds up by tensor)
-    return reduce_stream_segments(spec, stage) + sum(c * (n + KLARGE_BUFFER) for n, c in temporaries)
+    # (from the temporaries, not the optimizer_step term: ZeRO-1 rounds its share up by whole tensors)
+    return reduce_stream_segments(spec, stage) + _segments_bound(step_temporaries(spec, stage))
+
+
+@lru_cache(maxsize=4096)
+def _segments_bound(requests: Counts) -> int:
+    """At most what ``requests`` open: a segment each, at most 20 MiB above the request."""
+    return sum(c * (n + KLARGE_BUFFER) for n, c in requests)
