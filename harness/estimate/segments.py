@@ -86,7 +86,11 @@ def layer_tensors(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast: bool
 def replicated(p: ParallelSpec) -> bool:
     """The runner's ZeRO-0/1 under pipelining: composable ``replicate`` (FSDP2's machinery), whose
     gradients are reduced in FP32 buffers on its own stream (harness/runner/parallel/data.py)."""
-    return p.pp > 1 and p.dp * p.cp > 1 and p.zero_stage <= 1
+    return _replicated(p.pp, p.dp * p.cp, p.zero_stage)
+
+
+def _replicated(pp: int, shards: int, zero: int) -> bool:
+    return pp > 1 and shards > 1 and zero <= 1
 
 
 def grads_freed_before_step(p: ParallelSpec, t: TrainSpec, stage: int) -> bool:
@@ -98,22 +102,16 @@ def grads_freed_before_step(p: ParallelSpec, t: TrainSpec, stage: int) -> bool:
     return replicated(p) or torch_grads_at_peak(p, t, stage=stage) == "kept_and_accumulated"
 
 
-def reduce_stream_units(spec: RunSpec, stage: int) -> list[int]:
-    """The FP32 gradient blocks a rank of ``stage`` keeps on the gradient-reduction stream until the
-    optimizer step is done, one per unit (every layer, and the root: embedding, final norm and head;
-    torchtitan's kept head, ``buffers.kept_head``, a unit of its own): ``replicate`` all-reduces each
-    unit's gradients in an FP32 buffer allocated there, FSDP2 (ZeRO-2/3) reduce-scatters them into
-    FP32 shards allocated there, and the gradients the optimizer reads are views of those blocks. None
-    for DDP (its buckets are allocated once, at wrapping) or without data-parallel ranks."""
-    m, p = spec.model, spec.parallel
-    head = kept_head(m, p) if stage == p.pp - 1 else 0
-    units = _reduce_units(m, p.tp, p.pp, stage, p.dp * p.cp, p.zero_stage, head)
-    return [n for n, c in units for _ in range(c)]
-
-
 @lru_cache(maxsize=4096)
 def _reduce_units(m: ModelSpec, tp: int, pp: int, stage: int, shards: int, zero: int, head: int) -> Counts:
-    replicate = pp > 1 and shards > 1 and zero <= 1  # (replicated(), from the degrees)
+    """The FP32 gradient blocks (bytes, how many) a rank of ``stage`` keeps on the gradient-reduction
+    stream until the optimizer step is done, one per unit (every layer, and the root: embedding, final
+    norm and head; torchtitan's kept head, ``head`` parameters, a unit of its own): ``replicate``
+    all-reduces each unit's gradients in an FP32 buffer allocated there, FSDP2 (ZeRO-2/3)
+    reduce-scatters them into FP32 shards allocated there, and the gradients the optimizer reads are
+    views of those blocks. None for DDP (its buckets are allocated once, at wrapping) or without
+    data-parallel ranks."""
+    replicate = _replicated(pp, shards, zero)
     if shards == 1 or not (replicate or zero >= 2):
         return ()
     per = 1 if replicate else shards
@@ -126,7 +124,7 @@ def _reduce_units(m: ModelSpec, tp: int, pp: int, stage: int, shards: int, zero:
 
 
 def reduce_stream_segments(spec: RunSpec, stage: int) -> int:
-    """What the blocks of :func:`reduce_stream_units` reserve: blocks are cached per stream
+    """What the blocks of :func:`_reduce_units` reserve: blocks are cached per stream
     (``get_pool``), so the compute stream's cache cannot serve them and each opens a segment of its
     own. Traced: Llama-2-13B tp 2 × pp 2 × dp 2 (``replicate``), twenty 605 MiB segments and one of
     314 MiB on stream 2, 11.8 GiB of the 14.9 GiB the replay reserved above the allocated peak;
@@ -212,17 +210,12 @@ def _layer_blocks(
     return _counts(blocks), sum(s for s in sizes if KSMALL_SIZE < s < KMIN_LARGE_ALLOC), sum(sizes)
 
 
-def parameter_tensors(spec: RunSpec, stage: int) -> Counts:
-    """The parameter tensors (numel, how many) one rank of ``stage`` steps: the embedding, per layer
-    Q, K, V, O, gate, up and down, the head; sharded by dim 0 over the ZeRO-2/3 shards; under ZeRO-1
-    whole tensors, one shard's share of them (``ZeroRedundancyOptimizer`` partitions whole
-    parameters). Norm weights (small-pool requests) are left out."""
-    p = spec.parallel
-    return _parameter_tensors(spec.model, p.tp, p.pp, stage, p.dp * p.cp, p.zero_stage)
-
-
 @lru_cache(maxsize=4096)
 def _parameter_tensors(m: ModelSpec, tp: int, pp: int, stage: int, shards: int, zero: int) -> Counts:
+    """The parameter tensors (numel, how many) one rank of ``stage`` steps: the embedding, per layer
+    Q, K, V, O, gate, up and down, the head; sharded by dim 0 over the ZeRO-2/3 ``shards``; under
+    ZeRO-1 whole tensors, one shard's share of them (``ZeroRedundancyOptimizer`` partitions whole
+    parameters). Norm weights (small-pool requests) are left out."""
     h, f = m.hidden_size, m.ffn_hidden_size
     kv = h // m.num_heads * m.num_kv_heads
     layers = m.num_layers // pp
@@ -239,7 +232,7 @@ def _parameter_tensors(m: ModelSpec, tp: int, pp: int, stage: int, shards: int, 
 
 def step_temporaries(spec: RunSpec, stage: int) -> Counts:
     """The optimizer step's FP32 temporaries on one rank of ``stage``: one per parameter tensor it
-    steps (:func:`parameter_tensors`), all alive together (``foreach`` returns them as one list)."""
+    steps (:func:`_parameter_tensors`), all alive together (``foreach`` returns them as one list)."""
     p = spec.parallel
     return _fp32(_parameter_tensors(spec.model, p.tp, p.pp, stage, p.dp * p.cp, p.zero_stage))
 
@@ -280,7 +273,6 @@ def _place(blocks: Counts, requests: Counts) -> int:
 
 
 FB_TERMS = ("activations", *CACHED_BUFFERS, "param_copies", "grad_reduce")
-SEGMENT_TERMS = ("reduce_stream", "optimizer_step_segments")
 
 
 def segment_terms(spec: RunSpec, stage: int, terms: dict[str, int]) -> dict[str, int]:
