@@ -187,23 +187,30 @@ def candidate_groups(base: RunSpec, opts: PlanOptions) -> Iterator[list[RunSpec]
                     for schedule, v in schedules:
                         group = []
                         for zero, reshard in zeros:
-                            # Built field by field (dataclasses.replace costs ~10 µs a call, and this
-                            # loop runs tens of thousands of times for a 1,024-GPU plan).
-                            par = ParallelSpec(
-                                dp=dp,
-                                tp=tp,
-                                pp=pp,
-                                cp=cp,
-                                zero_stage=zero,
-                                sequence_parallel=tp > 1,
-                                pp_schedule=schedule,
-                                virtual_stages=v,
-                                cp_load_balance=cp > 1,
-                                world_size=opts.gpus,
-                                fsdp_reshard_after_forward=reshard,
-                            )
+                            par = candidate_parallel(dp, tp, pp, cp, zero, reshard, schedule, v, opts.gpus)
                             group += [RunSpec(base.model, par, train, base.device) for train in trains]
                         yield group
+
+
+def candidate_parallel(
+    dp: int, tp: int, pp: int, cp: int, zero: int, reshard: str, schedule: str, v: int, world: int
+) -> ParallelSpec:
+    """A candidate's parallel section in canonical form: sequence parallelism with tp, load-balanced
+    context parallelism with cp, the world size set. Built field by field (dataclasses.replace costs
+    ~10 µs a call, and plan builds tens of thousands for a 1,024-GPU plan)."""
+    return ParallelSpec(
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        zero_stage=zero,
+        sequence_parallel=tp > 1,
+        pp_schedule=schedule,
+        virtual_stages=v,
+        cp_load_balance=cp > 1,
+        world_size=world,
+        fsdp_reshard_after_forward=reshard,
+    )
 
 
 def candidates(base: RunSpec, opts: PlanOptions) -> Iterator[RunSpec]:
@@ -295,18 +302,8 @@ def include_spec(base: RunSpec, opts: PlanOptions, layout: dict[str, Any]) -> Ru
         recompute=v["recompute"] or t.recompute,
         grad_sync=canonical_grad_sync(t.grad_sync, num_microbatches=m, shards=dp * cp, pp=pp),
     )
-    par = ParallelSpec(
-        dp=dp,
-        tp=tp,
-        pp=pp,
-        cp=cp,
-        zero_stage=zero,
-        sequence_parallel=tp > 1,
-        pp_schedule=v["pp_schedule"],
-        virtual_stages=int(v["virtual_stages"]),
-        cp_load_balance=cp > 1,
-        world_size=opts.gpus,
-        fsdp_reshard_after_forward=reshard,
+    par = candidate_parallel(
+        dp, tp, pp, cp, zero, reshard, v["pp_schedule"], int(v["virtual_stages"]), opts.gpus
     )
     return RunSpec(base.model, par, train, base.device)
 
