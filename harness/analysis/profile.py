@@ -134,20 +134,15 @@ class Profile:
         without a fragmentation fit)."""
         if not self.fragmentation:
             return None
-        bases = [(self._stage_reserved_base(s.terms), s) for s in est.stages]
+        base = {s.stage: self._stage_reserved_base(s.terms) for s in est.stages}
         if not self.fragmentation.get("over_mechanism"):
-            return round(max(b for b, _ in bases))
-        if len(bases) == 1:
-            return round(bases[0][0] + levels.mechanism_bytes(est, bases[0][1]))
-        # Stages in order of a cheap upper bound (the mechanism terms bounded); exact where it can matter.
-        bounds = sorted(((b + est.reserved_terms_bound(s), b, s) for b, s in bases), key=lambda x: -x[0])
-        best = None
-        for bound, base, s in bounds:
-            if best is not None and bound < best:
-                break
-            value = base + levels.mechanism_bytes(est, s)
-            best = value if best is None else max(best, value)
-        return round(best)
+            return round(max(base.values()))
+        _, value = levels.worst_by_bound(
+            est.stages,
+            lambda s: base[s.stage] + est.reserved_terms_bound(s),
+            lambda s: base[s.stage] + levels.mechanism_bytes(est, s),
+        )
+        return round(value)
 
     def total_bytes(self, est: Estimate) -> int:
         """The calibrated peak of a configuration: the profile applied to every stage, then the max."""

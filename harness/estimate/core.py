@@ -78,22 +78,12 @@ class Estimate:
     def _reserved(self) -> tuple[StageEstimate, dict[str, int], int]:
         """(the stage whose reserved level is highest, its reserved terms, that level); computed once:
         ``plan`` asks every candidate for its device level."""
-        # Stages in order of a cheap upper bound of their reserved level; one whose bound is below the
-        # best exact level found cannot be the worst (pipeline stages: most are never computed).
-        if len(self.stages) == 1:
-            s = self.stages[0]
-            terms = self._stage_reserved_terms(s)
-            return s, terms, s.total_bytes + sum(terms.values())
-        bounds = [(s.total_bytes + self.reserved_terms_bound(s), s) for s in self.stages]
-        best = None
-        for bound, s in sorted(bounds, key=lambda b: (-b[0], b[1].stage)):
-            if best is not None and bound < best[2]:
-                break
-            terms = self._stage_reserved_terms(s)
-            total = s.total_bytes + sum(terms.values())
-            if best is None or total > best[2] or (total == best[2] and s.stage < best[0].stage):
-                best = (s, terms, total)
-        return best
+        stage, total = levels.worst_by_bound(
+            self.stages,
+            lambda s: s.total_bytes + self.reserved_terms_bound(s),
+            lambda s: s.total_bytes + sum(self._stage_reserved_terms(s).values()),
+        )
+        return stage, self._stage_reserved_terms(stage), total
 
     @property
     def reserved_worst(self) -> StageEstimate:

@@ -88,6 +88,22 @@ def reserved_upper_bound(
     return out + (segment_terms_bound(spec, stage, terms) if engine == "torch" else 0)
 
 
+def worst_by_bound(stages, bound, exact):
+    """(stage, value) of the stage whose ``exact`` value is highest (the lowest stage on ties), asking
+    ``exact`` only of stages whose cheap upper ``bound`` can still reach the best found: with a
+    pipeline most stages are never computed (``plan`` asks it of tens of thousands of candidates)."""
+    if len(stages) == 1:
+        return stages[0], exact(stages[0])
+    best = None
+    for limit, s in sorted(((bound(s), s) for s in stages), key=lambda b: (-b[0], b[1].stage)):
+        if best is not None and limit < best[1]:
+            break
+        value = exact(s)
+        if best is None or value > best[1] or (value == best[1] and s.stage < best[0].stage):
+            best = (s, value)
+    return best
+
+
 def mechanism_bytes(est, stage=None) -> int:
     """The reserved level's derived terms of ``stage`` of an :class:`~harness.estimate.core.Estimate`
     (default: its allocated worst): every reserved term but the cuBLAS workspace. What a calibration
