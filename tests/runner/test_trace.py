@@ -8,9 +8,18 @@ import json
 from conftest import spec
 from torch.cuda import _memory_viz
 
-from harness.alloc import load_trace, replay
+from harness.alloc import TraceError, load_trace, replay
 from harness.runner.measure.trace import step_trace
 from harness.runner.supervisor import run_point
+
+
+def _replayable(files: list[str]) -> bool:
+    try:
+        for f in files:
+            replay(load_trace(f))
+    except TraceError:
+        return False
+    return True
 
 
 def test_a_run_writes_one_trace_per_rank_and_its_replay_is_the_record(tmp_path):
@@ -22,9 +31,13 @@ def test_a_run_writes_one_trace_per_rank_and_its_replay_is_the_record(tmp_path):
         )
         assert record["status"] == "ok", record["error"]
         # A free on a gloo thread that cannot be told apart from another block's makes the replay hold
-        # a block too long (see the bounds below); it read 9.0 % over once in CI. Such a run is run
-        # again, and the second is held to the same bounds.
-        if record["sim_peak_allocated_bytes"] <= 1.07 * record["peak_allocated_bytes"]:
+        # a block too long (see the bounds below; it read 9.0 % over once in CI), or leaves an address
+        # allocated twice, so that one rank's trace does not replay at all (the record then takes its
+        # figures from the other rank; seen once in CI). Such a run is run again, and the second is
+        # held to every assertion below.
+        if record["sim_peak_allocated_bytes"] <= 1.07 * record["peak_allocated_bytes"] and _replayable(
+            record["trace_files"]
+        ):
             break
     files = record["trace_files"]
     assert [f.split(".")[-3] for f in files] == ["rank0", "rank1"]
