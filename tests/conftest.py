@@ -47,6 +47,15 @@ def replace(s: RunSpec, **overrides) -> RunSpec:
     )
 
 
+def fast_few(names, fast) -> list:
+    """Parametrize over ``names`` (a dict's keys, say), marking every name not in ``fast`` slow: the
+    default run keeps a few of a family, ``-m slow`` runs the rest (CI's time budget)."""
+    names = list(names)
+    unknown = set(fast) - set(names)
+    assert not unknown, f"fast_few names cases that are not there: {sorted(unknown)}"
+    return [pytest.param(n, id=n, marks=() if n in fast else pytest.mark.slow) for n in names]
+
+
 @pytest.fixture
 def tiny() -> RunSpec:
     return spec("tiny")

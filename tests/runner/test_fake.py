@@ -9,7 +9,7 @@ import json
 import weakref
 
 import pytest
-from conftest import harness_cli, in_fresh_process, spec
+from conftest import fast_few, harness_cli, in_fresh_process, spec
 
 from harness.runner.fake.ranks import _zero1_worst_rank, rank_of, traced_ranks, uneven_tp
 from harness.runner.fake.run import fake_record, run_fake
@@ -176,7 +176,7 @@ def test_tied_layouts_are_traced_as_the_real_run_measures_them(name):
         assert r["peak_allocated_bytes"] == pytest.approx(real["per_rank_peak_bytes"][r["rank"]], rel=0.01)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("precision", fast_few(["bf16", "fp32"], ["bf16"]))
 def test_a_cpu_trace_holds_gloos_reduce_scatter_copy_as_the_real_run_does(precision):
     """issue 30: at the root's reduce-scatter (the peak of ``small`` under ZeRO-3 with full
     recomputation) gloo clones the FP32 input; the fake group allocated nothing, and the trace read
@@ -585,17 +585,17 @@ def _trace_with_warm_up(s, full):
     return {k: v for k, v in r.items() if k not in ("trace_s", "trace_cpu_s", "host_rss_bytes")}
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [
-        {"parallel_dp": 2, "parallel_zero_stage": 0},  # DDP: its buckets are rebuilt after the first step
-        {"parallel_dp": 2, "parallel_tp": 2, "parallel_zero_stage": 3},  # FSDP2 on a 2-D mesh
-    ],
-)
-def test_one_micro_batch_warm_up_leaves_the_measured_step_unchanged(layout):
+WARM_UP_LAYOUTS = {
+    "ddp": {"parallel_dp": 2, "parallel_zero_stage": 0},  # DDP: its buckets are rebuilt after the first step
+    "fsdp2_dp_tp": {"parallel_dp": 2, "parallel_tp": 2, "parallel_zero_stage": 3},  # FSDP2 on a 2-D mesh
+}
+
+
+@pytest.mark.parametrize("name", fast_few(WARM_UP_LAYOUTS, ["ddp"]))
+def test_one_micro_batch_warm_up_leaves_the_measured_step_unchanged(name):
     """A fake run warms up on one micro-batch where the real run takes all four: every figure of the
     measured step (peaks, categories, the allocator replay) is the same to the byte."""
-    s = spec("tiny", train_seq_len=128, train_num_microbatches=4, **layout)
+    s = spec("tiny", train_seq_len=128, train_num_microbatches=4, **WARM_UP_LAYOUTS[name])
     short = in_fresh_process(_trace_with_warm_up, s, False)
     full = in_fresh_process(_trace_with_warm_up, s, True)
     assert short["peak_allocated_bytes"] > 0
@@ -625,19 +625,21 @@ def _stage_trace(s, stage):
     return {**{k: v for k, v in r.items() if k not in timings}, "events": events}
 
 
-@pytest.mark.parametrize(
-    "layout, invariant",
-    [
-        ({"parallel_pp": 2, "parallel_cp": 2, "parallel_zero_stage": 0}, True),  # replicate per stage
-        ({"parallel_zero_stage": 0}, True),  # DDP's buckets
-        ({"parallel_zero_stage": 1}, False),  # ZeroRedundancyOptimizer's partition is 1/dp
-    ],
-)
-def test_without_zero_a_rank_traces_the_same_for_any_data_parallel_size(layout, invariant):
+DP_INVARIANCE = {  # layout, and whether a rank's trace is the same at dp 2 and dp 4
+    "pp_cp_replicate": ({"parallel_pp": 2, "parallel_cp": 2, "parallel_zero_stage": 0}, True),  # per stage
+    "ddp": ({"parallel_zero_stage": 0}, True),  # DDP's buckets
+    "zero1": ({"parallel_zero_stage": 1}, False),  # ZeroRedundancyOptimizer's partition is 1/dp
+}
+
+
+@pytest.mark.parametrize("name", fast_few(DP_INVARIANCE, ["ddp"]))
+def test_without_zero_a_rank_traces_the_same_for_any_data_parallel_size(name):
     """What lets the trace cache key dp as "2 or more" without ZeRO: the last stage's rank traced with
     dp 2 and with dp 4 gives the same figures and the same events (action, size, stream), in order;
     with ZeRO-1 it does not, and the keys say so."""
     from harness.runner.fake.cache import trace_key
+
+    layout, invariant = DP_INVARIANCE[name]
     from harness.runner.fake.ranks import rank_of
 
     two, four = (

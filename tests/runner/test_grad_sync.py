@@ -129,6 +129,7 @@ def test_torchtitan_keeps_the_head_gathered_as_the_engine_says(seq_len):
         assert traced["default"] < traced["always"] and engine["default"] < engine["always"]
 
 
+@pytest.mark.slow  # 14 s: two real runs of small; docs/stacks.md's figure
 def test_torchtitan_on_small_measures_above_the_engine_by_the_known_gap(tmp_path):
     # Real CPU runs of small, FP32, dp 2, ZeRO-3 over gloo (docs/stacks.md "Known gaps"): "always" within
     # 1 % of the engine; torchtitan's "default" measured 136.3 MiB against 129.5 (-5.0 %): over gloo the

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from conftest import spec
+from conftest import fast_few, spec
 
 from harness.runner.parallel import compose
 from harness.runner.supervisor import run_point
@@ -218,7 +218,8 @@ TIED_LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", TIED_LAYOUTS, ids=list(TIED_LAYOUTS))
+# In the default run: sequence-parallel tp, 1F1B and torchtitan's FSDP2 tied; -m slow runs every layout.
+@pytest.mark.parametrize("layout", fast_few(TIED_LAYOUTS, ("tp2-sp", "pp2-1f1b", "dp2-zero3-torchtitan")))
 def test_tied_layout_matches_single_rank(layout, tied_reference):
     assert_same(run(tied=True, **TIED_LAYOUTS[layout])["losses"], tied_reference)
 
@@ -245,7 +246,7 @@ def bias_reference() -> list[float]:
     return _reference(tied=False, bias=True)
 
 
-@pytest.mark.parametrize("layout", BIAS_LAYOUTS, ids=list(BIAS_LAYOUTS))
+@pytest.mark.parametrize("layout", fast_few(BIAS_LAYOUTS, ("dp2-tp2-zero3", "cp2")))
 def test_qkv_bias_layout_matches_single_rank(layout, bias_reference, reference):
     assert bias_reference[1] != pytest.approx(reference[1], rel=RTOL)  # the biases change the step
     assert_same(run(bias=True, **BIAS_LAYOUTS[layout])["losses"], bias_reference)
