@@ -41,6 +41,9 @@ def layout_label(r: pd.Series) -> str:
             "interleaved_1f1b", f"i1f1b×{int(r['parallel_virtual_stages'])}"
         )
         pp += f"/{sched}"
+        layers = r.get("parallel_pp_layers")
+        if layers is not None and not isinstance(layers, float) and len(layers):  # (NaN: older rows)
+            pp += "[" + "+".join(str(int(n)) for n in layers) + "]"
     sp = "" if r["parallel_tp"] == 1 else ("+sp" if r["parallel_sequence_parallel"] else "-sp")
     return (
         f"dp{int(r['parallel_dp'])} tp{int(r['parallel_tp'])}{sp} {pp} cp{int(r['parallel_cp'])} "

@@ -58,11 +58,14 @@ def study_target(path: str | Path, config_dir: Path) -> tuple[Path, str, str]:
 
 
 def _point(spec: RunSpec) -> dict[str, object]:
-    return {
+    point: dict[str, object] = {
         f"{section}.{name}": getattr(getattr(spec, section), name)
         for section, names in POINT_FIELDS.items()
         for name in names
     }
+    if spec.parallel.pp_layers:  # uneven stages: one list value (the sweeper passes it as [a, b, ...])
+        point["parallel.pp_layers"] = list(spec.parallel.pp_layers)
+    return point
 
 
 def study_text(specs: Sequence[RunSpec], *, name: str, how: str, command: str) -> str:

@@ -27,7 +27,8 @@ MEANINGS: dict[str, str] = {
     # parallel
     "parallel.dp": "data-parallel degree (null: derived from parallel.world_size)",
     "parallel.tp": "tensor-parallel degree (divides heads, KV heads, FFN size and vocabulary)",
-    "parallel.pp": "pipeline stages (divides the layers)",
+    "parallel.pp": "pipeline stages (divides the layers, unless parallel.pp_layers)",
+    "parallel.pp_layers": "blocks per pipeline stage, first to last, e.g. [30,32,32,32]; []: layers/pp each",
     "parallel.cp": "context-parallel degree (the sequence is split in 2·cp chunks when balanced)",
     "parallel.zero_stage": "0 DDP | 1 sharded optimizer | 2 FSDP2 without reshard | 3 FSDP2",
     "parallel.sequence_parallel": "with tp > 1: norm inputs and boundary activations split by sequence",
@@ -178,7 +179,9 @@ COMMAND_HELP: dict[str, Command] = {
     "plan": Command(
         "every layout of plan.gpus devices that fits, ranked; or a reverse question (plan.solve=)",
         "Enumerates (dp, tp, pp, cp, ZeRO stage, micro-batch, recomputation, schedule) at a fixed global "
-        "batch, estimates each and ranks those that fit. plan.solve=min_gpus: the fewest devices on "
+        "batch, estimates each and ranks those that fit; where pp does not divide the layers, the first "
+        "and last stages get a block fewer (pp* in the table; parallel.pp_layers=[...] with parallel.pp "
+        "sets your own). plan.solve=min_gpus: the fewest devices on "
         "which some layout fits; max_micro_batch / max_seq_len: the largest micro-batch / sequence that "
         "fits the layout given by parallel.*. plan.emit=DIR/study/NAME.yaml writes the top fitting "
         "layouts as a study that harness sweep runs as it is. GPU-scale defaults as for estimate.",

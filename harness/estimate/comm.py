@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from harness.estimate.activations import elem_bytes
 from harness.estimate.flops import hardware_flops_per_step, model_flops_per_step
 from harness.estimate.params import stage_params
-from harness.spec import RunSpec
+from harness.spec import RunSpec, busiest_stage_view
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,9 @@ def bubble_fraction(spec: RunSpec) -> float:
 
 
 def cost(spec: RunSpec) -> Cost:
-    """Communication and bubble of a canonical spec, and its step-time proxy on ``spec.device``."""
+    """Communication and bubble of a canonical spec, and its step-time proxy on ``spec.device`` (of its
+    busiest pipeline stage where ``parallel.pp_layers`` makes them uneven)."""
+    spec = busiest_stage_view(spec)
     m, p, t, dev = spec.model, spec.parallel, spec.train, spec.device
     e = elem_bytes(t.precision)
     mb = t.num_microbatches

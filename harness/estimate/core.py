@@ -30,7 +30,7 @@ from harness.estimate.terms import (
     TERMS,
     StageEstimate,
 )
-from harness.spec import RunSpec, canonical, config_id
+from harness.spec import RunSpec, canonical, config_id, stage_view
 
 
 @dataclass(frozen=True)
@@ -65,13 +65,14 @@ class Estimate:
         cache = self.__dict__.setdefault("_reserved_cache", {})
         if stage.stage not in cache:
             cache[stage.stage] = levels.reserved_terms(
-                self.spec, stage.terms, stage=stage.stage, engine=self.engine
+                stage_view(self.spec, stage.stage), stage.terms, stage=stage.stage, engine=self.engine
             )
         return cache[stage.stage]
 
     def reserved_terms_bound(self, stage: StageEstimate) -> int:
         """At least the sum of ``stage``'s :meth:`reserved_terms`, cheaply (levels.reserved_upper_bound)."""
-        bound = levels.reserved_upper_bound(self.spec, stage.terms, stage=stage.stage, engine=self.engine)
+        view = stage_view(self.spec, stage.stage)
+        bound = levels.reserved_upper_bound(view, stage.terms, stage=stage.stage, engine=self.engine)
         return bound - stage.total_bytes
 
     @cached_property
@@ -183,8 +184,10 @@ def estimate_canonical(
     flops = model_flops_per_step(spec, convention=FLOPS_CONVENTION)
     if engine == "paper":
         terms = dict.fromkeys(TERMS, 0)
-        terms.update(paper_terms(spec.model, spec.parallel, spec.train))
+        first = stage_view(spec, 0)  # the paper's form assumes even stages: its first stage's blocks
+        terms.update(paper_terms(first.model, first.parallel, first.train))
         note = "paper: closed form for the first stage; ignores " + ", ".join(IGNORED_FIELDS)
         return Estimate(spec, engine, (StageEstimate.of(0, terms),), flops, notes=(note,))
     ids = range(spec.parallel.pp) if stages is None else stages
-    return Estimate(spec, engine, tuple(stage_estimate(spec, i, engine) for i in ids), flops)
+    # Each stage from its own blocks (spec.stage_view: the spec itself unless parallel.pp_layers).
+    return Estimate(spec, engine, tuple(stage_estimate(stage_view(spec, i), i, engine) for i in ids), flops)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from harness.spec import RunSpec
+from harness.spec import RunSpec, stage_view
 
 FLOPS_CONVENTIONS = ("megatron", "megatron_causal")
 
@@ -69,7 +69,8 @@ def hardware_flops_per_step(spec: RunSpec, *, convention: str = "megatron") -> i
     model = model_flops_per_step(spec, convention=convention)
     t, m, p = spec.train, spec.model, spec.parallel
     if t.recompute == "full":
-        covered = recomputed_layers(m, p, t) * p.pp * p.virtual_stages
+        views = (stage_view(spec, i) for i in range(p.pp))  # each stage's own blocks (pp_layers)
+        covered = sum(recomputed_layers(v.model, v.parallel, t) * p.virtual_stages for v in views)
         if covered >= m.num_layers:
             return (4 * model + 1) // 3
         return model + model * covered // (3 * m.num_layers)

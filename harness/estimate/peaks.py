@@ -108,7 +108,8 @@ def dominant_stages(p: ParallelSpec, t: TrainSpec) -> tuple[int, ...]:
     stage whose peak follows a backward (torch: its gradients are alive then); every stage under
     interleaved 1F1B.
 
-    Stages 1 … pp − 2 hold the same parameters (L/pp layers, no embedding or head), the same buffers
+    Stages 1 … pp − 2 hold the same parameters (L/pp layers, no embedding or head; uneven stages are
+    grouped by their block count, parallel.pp_layers), the same buffers
     and no token ids; they differ in in-flight micro-batches, which never grow with the stage index
     (``inflight_chunks``), and in whether the runner's gradients exist at their peak, which once true
     stays true for every later stage (:func:`states.torch_grads_at_peak`). So stage 1 and the first
@@ -121,8 +122,14 @@ def dominant_stages(p: ParallelSpec, t: TrainSpec) -> tuple[int, ...]:
         # them the later the rank (buffers.interleaved_sends_kept): no few stages bound the rest.
         return tuple(range(pp))
     stages = {0, min(1, pp - 1), pp - 1}
-    for i in range(1, pp - 1):
-        if st.torch_grads_at_peak(p, t, stage=i) == "accumulated":
-            stages.add(i)
-            break
+    # With uneven stages (parallel.pp_layers) the argument holds among the middle stages of one block
+    # count: the first of them, and the first of them with its gradients at its peak.
+    middle = range(1, pp - 1)
+    for count in {p.pp_layers[i] for i in middle} if p.pp_layers else {None}:
+        group = [i for i in middle if count is None or p.pp_layers[i] == count]
+        stages.update(group[:1])
+        for i in group:
+            if st.torch_grads_at_peak(p, t, stage=i) == "accumulated":
+                stages.add(i)
+                break
     return tuple(sorted(stages))

@@ -24,6 +24,7 @@ from harness.spec import (
     InvalidSpec,
     ParallelSpec,
     RunSpec,
+    balanced_pp_layers,
     layout_problems,
     type_problems,
 )
@@ -185,19 +186,43 @@ def candidate_groups(base: RunSpec, opts: PlanOptions) -> Iterator[list[RunSpec]
                         for rc in opts.recompute
                     ]
                     for schedule, v in schedules:
+                        layers = stage_split(base, pp, v)
                         group = []
                         for zero, reshard in zeros:
-                            par = candidate_parallel(dp, tp, pp, cp, zero, reshard, schedule, v, opts.gpus)
+                            par = candidate_parallel(
+                                dp, tp, pp, cp, zero, reshard, schedule, v, opts.gpus, layers=layers
+                            )
                             group += [RunSpec(base.model, par, train, base.device) for train in trains]
                         yield group
 
 
+def stage_split(base: RunSpec, pp: int, v: int) -> tuple[int, ...]:
+    """A candidate's ``pp_layers``: the user's own where they gave one for this many stages, else ()
+    where the layers divide evenly, else :func:`balanced_pp_layers` (() where no split works: the
+    candidate is then invalid, with validation's reason)."""
+    given = base.parallel.pp_layers
+    if given and len(given) == pp and all(c % v == 0 for c in given):
+        return tuple(given) if len(set(given)) > 1 else ()
+    return balanced_pp_layers(base.model.num_layers, pp, v) or ()
+
+
 def candidate_parallel(
-    dp: int, tp: int, pp: int, cp: int, zero: int, reshard: str, schedule: str, v: int, world: int
+    dp: int,
+    tp: int,
+    pp: int,
+    cp: int,
+    zero: int,
+    reshard: str,
+    schedule: str,
+    v: int,
+    world: int,
+    *,
+    layers: tuple[int, ...] = (),
 ) -> ParallelSpec:
     """A candidate's parallel section in canonical form: sequence parallelism with tp, load-balanced
-    context parallelism with cp, the world size set. Built field by field (dataclasses.replace costs
-    ~10 µs a call, and plan builds tens of thousands for a 1,024-GPU plan)."""
+    context parallelism with cp, the world size set, ``layers`` its uneven stages (or ()). Built field by
+    field (dataclasses.replace costs ~10 µs a call, and plan builds tens of thousands for a 1,024-GPU
+    plan)."""
     return ParallelSpec(
         dp=dp,
         tp=tp,
@@ -210,6 +235,7 @@ def candidate_parallel(
         cp_load_balance=cp > 1,
         world_size=world,
         fsdp_reshard_after_forward=reshard,
+        pp_layers=layers,
     )
 
 
@@ -302,8 +328,9 @@ def include_spec(base: RunSpec, opts: PlanOptions, layout: dict[str, Any]) -> Ru
         recompute=v["recompute"] or t.recompute,
         grad_sync=canonical_grad_sync(t.grad_sync, num_microbatches=m, shards=dp * cp, pp=pp),
     )
+    vs = int(v["virtual_stages"])
     par = candidate_parallel(
-        dp, tp, pp, cp, zero, reshard, v["pp_schedule"], int(v["virtual_stages"]), opts.gpus
+        dp, tp, pp, cp, zero, reshard, v["pp_schedule"], vs, opts.gpus, layers=stage_split(base, pp, vs)
     )
     return RunSpec(base.model, par, train, base.device)
 

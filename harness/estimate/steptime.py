@@ -39,7 +39,7 @@ from harness.estimate.activations import elem_bytes, layer_activation_bytes, rec
 from harness.estimate.comm import bubble_fraction, cost
 from harness.estimate.flops import model_flops_per_step
 from harness.estimate.params import layer_matrix_params, stage_params
-from harness.spec import DeviceSpec, RunSpec
+from harness.spec import DeviceSpec, RunSpec, busiest_stage_view
 
 TERMS = (
     "compute",
@@ -106,7 +106,9 @@ def device_rates(dev: DeviceSpec) -> dict[str, float]:
 
 def stage_flops(spec: RunSpec) -> tuple[float, float]:
     """(model FLOPs, FLOPs recomputation adds) of one step on one rank of the last pipeline stage (the
-    one that also runs the LM head, so the slowest), from Megatron's count split by layer and head."""
+    one that also runs the LM head, so the slowest; with uneven ``pp_layers``, with the most blocks of any
+    stage), from Megatron's count split by layer and head."""
+    spec = busiest_stage_view(spec)
     m, p, t = spec.model, spec.parallel, spec.train
     tokens = t.num_microbatches * t.micro_batch_size * t.seq_len // p.cp  # this rank's, per step
     per_layer = (6 * layer_matrix_params(m) + 12 * t.seq_len * m.hidden_size) / p.tp  # per token
@@ -147,6 +149,7 @@ def _dp_collectives(spec: RunSpec) -> tuple[float, float, int]:
 def terms_of(spec: RunSpec, *, cpu_cores: int | None = None) -> dict[str, float]:
     """The step-time terms of a canonical spec in seconds (at the preset's figures, or per unit);
     ``cpu_cores``: the machine's cores, for a CPU run (see :func:`sharing`)."""
+    spec = busiest_stage_view(spec)  # the slowest stage sets the pace (the spec itself when even)
     m, p, t = spec.model, spec.parallel, spec.train
     rate = device_rates(spec.device)
     share = sharing(spec, cpu_cores=cpu_cores)

@@ -30,6 +30,11 @@ from harness.spec.types import (
     ParallelSpec,
     RunSpec,
     TrainSpec,
+    balanced_pp_layers,
+    busiest_stage_view,
+    chunk_layer_ranges,
+    stage_layers,
+    stage_view,
 )
 from harness.spec.validate import layout_problems, problems, type_problems
 
@@ -50,8 +55,11 @@ __all__ = [
     "RunSpec",
     "TrainSpec",
     "apply_stack",
+    "balanced_pp_layers",
+    "busiest_stage_view",
     "canonical",
     "canonical_form",
+    "chunk_layer_ranges",
     "config_id",
     "config_spec",
     "flat",
@@ -61,5 +69,7 @@ __all__ = [
     "problems",
     "raw_id",
     "spec_id",
+    "stage_layers",
+    "stage_view",
     "type_problems",
 ]

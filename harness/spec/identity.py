@@ -18,6 +18,7 @@ from harness.spec.types import (
     ParallelSpec,
     RunSpec,
     TrainSpec,
+    stage_layers,
 )
 from harness.spec.validate import problems
 
@@ -29,8 +30,9 @@ def canonical(spec: RunSpec) -> RunSpec:
     the same run spelled two ways gets one ``config_id``: ``pp_schedule``/``virtual_stages`` when
     pp = 1, ``sequence_parallel`` when tp = 1, ``cp_load_balance`` when cp = 1; and it resolves
     ``num_microbatches`` None to pp; ``recompute_every`` and ``recompute_method`` when recompute is not
-    full; and Megatron's methods where they checkpoint every block alone, as ``every`` 1 does: ``uniform``
-    with N = 1, ``block`` with N at least the layers of a model chunk (L/(pp·virtual_stages)); and
+    full; and Megatron's methods where they checkpoint every block alone, as ``every`` 1 does:
+    ``uniform`` with N = 1, ``block`` with N at least the layers of every model chunk
+    (L/(pp·virtual_stages) when even); ``pp_layers`` to () where its counts are all equal; and
     ``grad_sync`` to ``last`` where one micro-batch or one data-parallel rank leaves nothing to choose
     and under pipelining (torch's schedules reduce after the last micro-batch);
     ``fsdp_reshard_after_forward`` to ``always`` but at ZeRO-3 with ``default`` over several ranks without
@@ -80,11 +82,12 @@ def canonical_form(spec: RunSpec) -> RunSpec:
         cp_load_balance=p.cp_load_balance if p.cp > 1 else False,
         zero_stage=zero,
         fsdp_reshard_after_forward=reshard,
+        pp_layers=() if len(set(p.pp_layers)) <= 1 else tuple(p.pp_layers),  # () or uneven
     )
     t = spec.train
     if t.num_microbatches is None:
         t = dataclasses.replace(t, num_microbatches=p.pp)
-    chunk_layers = spec.model.num_layers // (p.pp * p.virtual_stages)
+    chunk_layers = max(stage_layers(dataclasses.replace(spec, parallel=p))) // p.virtual_stages
     if t.recompute != "full" or (
         (t.recompute_method == "uniform" and t.recompute_every == 1)
         or (t.recompute_method == "block" and t.recompute_every >= chunk_layers)
@@ -168,7 +171,8 @@ def from_dict(data: dict[str, Any]) -> RunSpec:
         missing = [f.name for f in fields(cls) if f.name not in given and f.default is dataclasses.MISSING]
         if missing:
             raise InvalidSpec([f"missing key {section}.{k}" for k in missing])
-        built[section] = cls(**given)
+        # A list (a YAML or command-line list, a JSON array) is kept as the tuple a frozen spec holds.
+        built[section] = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
     return RunSpec(**built)
 
 
@@ -189,7 +193,9 @@ def from_flat(row: dict[str, Any]) -> RunSpec:
             if key not in row:
                 continue
             value = row[key]
-            if hasattr(value, "item"):  # numpy scalar
+            if getattr(value, "ndim", 0) > 0 or isinstance(value, list):  # a list column's cell
+                value = tuple(int(v) for v in value)
+            elif hasattr(value, "item"):  # numpy scalar
                 value = value.item()
             types = (f.type if isinstance(f.type, str) else f.type.__name__).replace(" ", "").split("|")
             if isinstance(value, float) and value != value:  # NaN: a null in a float column

@@ -4,6 +4,7 @@ Everything below the CLI (estimator, runner, store) takes these dataclasses."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
@@ -33,7 +34,7 @@ FSDP_RESHARD = ("default", "always", "never")
 ADDED_FIELD_DEFAULTS = {
     "model": {"qkv_bias": False},
     "train": {"recompute_every": 1, "recompute_method": "every", "grad_sync": "last"},
-    "parallel": {"fsdp_reshard_after_forward": "always"},
+    "parallel": {"fsdp_reshard_after_forward": "always", "pp_layers": ()},
     # The device's memory-beside-tensors constants and step-time figures: config_id hashes only the
     # device's name and capacity; raw_id (invalid points) leaves them out while they hold the default.
     "device": {
@@ -94,6 +95,11 @@ class ParallelSpec:
     virtual_stages: int = 1
     cp_load_balance: bool = True
     world_size: int | None = None
+    # Transformer blocks on each pipeline stage, first to last (torchtitan's layers per stage, Megatron's
+    # first/last-stage layer counts); () is num_layers / pp on every stage. Under interleaved 1F1B each
+    # stage's count is split evenly over its virtual_stages chunks. Canonical: () where the counts are
+    # the even split.
+    pp_layers: tuple[int, ...] = ()
     # FSDP_RESHARD, at ZeRO-3 only; canonical: "always", or ZeRO-2 where it resolves to never.
     fsdp_reshard_after_forward: str = "always"
 
@@ -171,3 +177,67 @@ class RunSpec:
     def global_batch_size(self) -> int:
         """Sequences per optimizer step over all data-parallel ranks (of a canonical spec)."""
         return self.parallel.dp * self.train.micro_batch_size * self.train.num_microbatches
+
+
+def stage_layers(spec: RunSpec) -> tuple[int, ...]:
+    """Transformer blocks on each pipeline stage, first to last: ``parallel.pp_layers``, or the even
+    split num_layers / pp."""
+    p = spec.parallel
+    return tuple(p.pp_layers) or (spec.model.num_layers // p.pp,) * p.pp
+
+
+def chunk_layer_ranges(spec: RunSpec) -> list[range]:
+    """The blocks of each model chunk (pipeline stage id 0 .. pp·v − 1, the "loop" placement: stage id
+    k runs on pipeline rank k mod pp), contiguous and in model order; a rank's count is split evenly
+    over its chunks."""
+    p, per_stage = spec.parallel, stage_layers(spec)
+    out, start = [], 0
+    for k in range(p.pp * p.virtual_stages):
+        size = per_stage[k % p.pp] // p.virtual_stages
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def stage_view(spec: RunSpec, stage: int) -> RunSpec:
+    """``spec`` as one stage's estimate reads it: with uneven ``pp_layers``, a model whose even split
+    gives every stage that stage's blocks (each term of a stage depends on the model only through its
+    own blocks, and on which end of the pipeline it is through ``stage``); ``spec`` itself otherwise."""
+    if not spec.parallel.pp_layers:
+        return spec
+    layers = spec.parallel.pp_layers[stage] * spec.parallel.pp
+    return dataclasses.replace(
+        spec,
+        model=dataclasses.replace(spec.model, num_layers=layers),
+        parallel=dataclasses.replace(spec.parallel, pp_layers=()),
+    )
+
+
+def busiest_stage_view(spec: RunSpec) -> RunSpec:
+    """:func:`stage_view` of the stage with the most blocks (the last on ties, which also runs the
+    head): the stage the step-time proxy times, since the slowest stage sets a pipeline's pace."""
+    layers = stage_layers(spec)
+    return stage_view(spec, max(range(len(layers)), key=lambda i: (layers[i], i)))
+
+
+def balanced_pp_layers(num_layers: int, pp: int, virtual_stages: int = 1) -> tuple[int, ...] | None:
+    """The uneven split ``plan`` gives a pipeline whose stages cannot hold num_layers / pp blocks each:
+    ceil(L / pp) blocks a stage, one fewer (one chunk fewer under interleaving) on the first and the
+    last stage, then the second and the second to last, … until the counts add up to L — the ends hold
+    the embedding and the head (Llama 3, Dubey et al. 2024 §3.3.2: "reducing one Transformer layer each
+    from the first and the last stages"; Megatron's --decoder-first/last-pipeline-num-layers).
+    () where the even split works, None where no split gives every chunk at least one block."""
+    if num_layers % (pp * virtual_stages) == 0:
+        return ()
+    if num_layers % virtual_stages:
+        return None
+    units = num_layers // virtual_stages  # blocks in units of one per chunk
+    per = -(-units // pp)
+    counts = [per] * pp
+    # first, last, second, second to last, …
+    ends = dict.fromkeys(i for pair in zip(range(pp), range(pp - 1, -1, -1), strict=True) for i in pair)
+    for i in list(ends)[: per * pp - units]:
+        counts[i] -= 1
+    if min(counts) < 1:
+        return None
+    return tuple(c * virtual_stages for c in counts)

@@ -28,6 +28,8 @@ def _field_type_problems(spec: Any, section: str) -> list[str]:
         for alt in allowed.replace(" ", "").split("|"):
             if alt == "None" and value is None:
                 ok = True
+            elif alt == "tuple[int,...]" and isinstance(value, tuple):
+                ok = all(isinstance(x, int) and not isinstance(x, bool) for x in value)
             elif alt in kinds and isinstance(value, kinds[alt]):
                 # bool is an int in Python; an int field given true/false is a mistake.
                 ok = not (alt in ("int", "float") and isinstance(value, bool))
@@ -52,6 +54,29 @@ MAX_RANKS = 2**20
 MAX_CHUNKS = 4096
 MAX_LAYERS = 65536
 MAX_SIZE = 2**31 - 1
+
+
+def _pp_layers_problems(spec: RunSpec) -> list[str]:
+    """``parallel.pp_layers``: one count of blocks per pipeline stage, each at least one and split
+    evenly over the stage's virtual chunks, adding up to the model's layers."""
+    m, p = spec.model, spec.parallel
+    counts, shown = p.pp_layers, "[" + ",".join(map(str, p.pp_layers)) + "]"
+    if len(counts) != p.pp:
+        return [f"parallel.pp_layers={shown} has {len(counts)} counts for pp = {p.pp} stages (one per stage)"]
+    out = []
+    if min(counts) < 1:
+        out.append(f"parallel.pp_layers={shown}: every stage needs at least 1 block")
+    if sum(counts) != m.num_layers:
+        out.append(
+            f"parallel.pp_layers sum {'+'.join(map(str, counts))} = {sum(counts)} ≠ num_layers {m.num_layers}"
+        )
+    uneven = [f"{c} % {p.virtual_stages}" for c in counts if c % p.virtual_stages]
+    if uneven:
+        out.append(
+            f"parallel.pp_layers={shown}: each stage's blocks split evenly over its virtual_stages "
+            f"{p.virtual_stages} chunks ({', '.join(uneven)} ≠ 0)"
+        )
+    return out
 
 
 def _too_large(spec: RunSpec) -> list[str]:
@@ -155,10 +180,12 @@ def layout_problems(spec: RunSpec) -> list[str]:
     if p.pp_schedule not in PP_SCHEDULES:
         out.append(f"parallel.pp_schedule={p.pp_schedule!r} must be one of {', '.join(PP_SCHEDULES)}")
     chunks = p.pp * p.virtual_stages
-    if m.num_layers % chunks:
+    if p.pp_layers:
+        out += _pp_layers_problems(spec)
+    elif m.num_layers % chunks:
         out.append(
             f"num_layers {m.num_layers} % (pp·virtual_stages = {p.pp}·{p.virtual_stages} = {chunks}) "
-            f"= {m.num_layers % chunks} ≠ 0"
+            f"= {m.num_layers % chunks} ≠ 0 (uneven stages: parallel.pp_layers, one count per stage)"
         )
     if p.virtual_stages > 1 and p.pp_schedule != "interleaved_1f1b":
         out.append(

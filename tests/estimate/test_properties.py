@@ -51,6 +51,13 @@ def specs(draw, models=ALL_MODELS) -> RunSpec:
         attention=draw(st.sampled_from(["flash", "math"])),
     )
     spec = RunSpec(model(draw(st.sampled_from(models))), par, train, device("h100_80gb"))
+    units = spec.model.num_layers // par.virtual_stages  # blocks in units of one per chunk
+    if pp > 1 and units > pp and draw(st.booleans()):  # uneven stages: any split into pp parts
+        cuts = sorted(
+            draw(st.lists(st.integers(1, units - 1), min_size=pp - 1, max_size=pp - 1, unique=True))
+        )
+        counts = [(b - a) * par.virtual_stages for a, b in zip([0, *cuts], [*cuts, units], strict=True)]
+        spec = dataclasses.replace(spec, parallel=dataclasses.replace(par, pp_layers=tuple(counts)))
     assume(not problems(spec))
     return canonical(spec)
 

@@ -95,6 +95,13 @@ LAYOUTS = {
         train_micro_batch_size=2,
         train_num_microbatches=2,
     ),
+    # uneven stages (parallel.pp_layers, issue 31): each stage runs its own blocks
+    "pp2-uneven": dict(
+        parallel_pp=2, parallel_pp_layers=(1, 3), train_micro_batch_size=2, train_num_microbatches=2
+    ),
+    "pp3-uneven": dict(
+        parallel_pp=3, parallel_pp_layers=(1, 2, 1), train_micro_batch_size=1, train_num_microbatches=4
+    ),
     # gradient accumulation and recomputation on one rank
     "accumulate4": dict(train_micro_batch_size=1, train_num_microbatches=4),
     "recompute-full": dict(train_micro_batch_size=4, train_recompute="full"),

@@ -85,6 +85,8 @@ def layout_line(spec: RunSpec) -> str:
         parts.append(f"sp={'on' if p.sequence_parallel else 'off'}")
     if p.pp > 1:
         parts.append(p.pp_schedule + (f"(v={p.virtual_stages})" if p.virtual_stages > 1 else ""))
+        if p.pp_layers:
+            parts.append("layers=" + "+".join(map(str, p.pp_layers)))
     if p.cp > 1:
         parts.append(f"cp_balance={'on' if p.cp_load_balance else 'off'}")
     return " ".join(parts) + f"  (world {p.world})"

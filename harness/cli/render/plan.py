@@ -21,6 +21,18 @@ PLAN_LEGEND = (
 )
 
 
+UNEVEN_LEGEND = (
+    "pp* uneven stages (the layers do not divide by pp): one block fewer on the first and the last "
+    "stage, then the second and the second to last, ... (parallel.pp_layers; plan.include or estimate "
+    "with the layout prints them)"
+)
+
+
+def pp_cell(p) -> str:
+    """The pp column: ``32*`` where the stages are uneven (``parallel.pp_layers``)."""
+    return f"{p.pp}*" if p.pp_layers else str(p.pp)
+
+
 def _row_fields(row: PlanRow) -> dict[str, Any]:
     """A layout's JSON fields: its spec, the levels and verdict, and for a fitting layout its cost."""
     spec = row.estimate.spec
@@ -30,6 +42,7 @@ def _row_fields(row: PlanRow) -> dict[str, Any]:
         "parallel_dp": p.dp,
         "parallel_tp": p.tp,
         "parallel_pp": p.pp,
+        "parallel_pp_layers": list(p.pp_layers),
         "parallel_cp": p.cp,
         "parallel_zero_stage": p.zero_stage,
         "parallel_sequence_parallel": p.sequence_parallel,
@@ -85,6 +98,11 @@ def plan_json(result: PlanResult, opts: PlanOptions) -> dict[str, Any]:
     }
 
 
+def _layers(p) -> str:
+    """``(layers 31+32+32+31)`` after pp where the stages are uneven."""
+    return f" (layers {'+'.join(map(str, p.pp_layers))})" if p.pp_layers else ""
+
+
 def include_lines(row: PlanRow, rank: int | None, result: PlanResult, opts: PlanOptions) -> list[str]:
     """``plan.include``: where the user's own layout ranks among the fitting ones, or the term that
     breaks the budget."""
@@ -92,7 +110,7 @@ def include_lines(row: PlanRow, rank: int | None, result: PlanResult, opts: Plan
     sched = "-" if p.pp == 1 else p.pp_schedule.replace("interleaved_1f1b", f"int1f1b/{p.virtual_stages}")
     rc = recompute_label(t.recompute, t.recompute_every, t.recompute_method)
     what = (
-        f"dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp} zero={p.zero_stage} sched={sched} "
+        f"dp={p.dp} tp={p.tp} pp={p.pp}{_layers(p)} cp={p.cp} zero={p.zero_stage} sched={sched} "
         f"mbs={t.micro_batch_size} m={t.num_microbatches} recompute={rc}"
     )
     level = f"{human(row.predicted_bytes)} = {row.utilisation:.1%} of the device"
@@ -145,7 +163,7 @@ def _over_rows(result: PlanResult, opts: PlanOptions, top: int) -> list[str]:
         p, t = row.estimate.spec.parallel, row.estimate.spec.train
         rc = recompute_label(t.recompute, t.recompute_every, t.recompute_method)
         lines.append(
-            f"{i:>3} {p.dp:>5} {p.tp:>3} {p.pp:>3} {p.cp:>4} {p.zero_stage:>4} {t.micro_batch_size:>4} "
+            f"{i:>3} {p.dp:>5} {p.tp:>3} {pp_cell(p):>3} {p.cp:>4} {p.zero_stage:>4} {t.micro_batch_size:>4} "
             f"{t.num_microbatches:>5} {rc:>13} {human(row.predicted_bytes):>10} {row.utilisation:>6.1%}  "
             f"over at {breaking_term(row, opts.threshold)}"
         )
@@ -226,7 +244,7 @@ def plan_table(
             "-" if p.pp == 1 else (p.pp_schedule.replace("interleaved_1f1b", f"int1f1b/{p.virtual_stages}"))
         )
         line = (
-            f"{i:>3} {p.dp:>5} {p.tp:>3} {p.pp:>3} {p.cp:>4} {p.zero_stage:>4} {sched:>10} "
+            f"{i:>3} {p.dp:>5} {p.tp:>3} {pp_cell(p):>3} {p.cp:>4} {p.zero_stage:>4} {sched:>10} "
             f"{t.micro_batch_size:>4} {t.num_microbatches:>5} "
             f"{recompute_label(t.recompute, t.recompute_every, t.recompute_method):>13} "
             f"{human(row.predicted_bytes):>10} {row.utilisation:>6.1%} {c.bubble:>7.1%} "
@@ -242,6 +260,8 @@ def plan_table(
         lines += ["", *_over_rows(result, opts, top)]
     short = PLAN_LEGEND.split("; memory")[0] + "; explain=true: every column"
     lines += ["", *_legend(PLAN_LEGEND if explain else short)]
+    if any(r.estimate.spec.parallel.pp_layers for r in result.fitting[:top]):
+        lines += _legend(UNEVEN_LEGEND)
     return "\n".join(lines)
 
 

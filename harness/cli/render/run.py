@@ -80,6 +80,12 @@ def levels_line(r: dict[str, Any], threshold: float) -> str | None:
     return line
 
 
+def _layers(r: dict[str, Any]) -> str:
+    """`` layers=1+3`` for uneven pipeline stages (parallel.pp_layers), else nothing."""
+    layers = r.get("parallel_pp_layers")
+    return " layers=" + "+".join(map(str, layers)) if layers is not None and len(layers) else ""
+
+
 def record_table(record: dict[str, Any], *, threshold: float = 0.8) -> str:
     r = record
     rc = recompute_label(
@@ -88,7 +94,7 @@ def record_table(record: dict[str, Any], *, threshold: float = 0.8) -> str:
     lines = [
         f"{r['model_name']} on {r['device_name']}, config_id {r['config_id']}: status {r['status'].upper()}",
         f"layout  dp={r['parallel_dp']} tp={r['parallel_tp']} pp={r['parallel_pp']} cp={r['parallel_cp']} "
-        f"zero={r['parallel_zero_stage']}  seq {r['train_seq_len']} × micro-batch "
+        f"zero={r['parallel_zero_stage']}{_layers(r)}  seq {r['train_seq_len']} × micro-batch "
         f"{r['train_micro_batch_size']} × {r['train_num_microbatches']}, recompute {rc}, "
         f"{r['train_precision']}",
     ]

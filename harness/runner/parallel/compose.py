@@ -23,7 +23,7 @@ from harness.runner.parallel.materialize import materialize, on_meta
 from harness.runner.parallel.pipeline import build_schedule, split_stage, stage_ids
 from harness.runner.parallel.recompute import apply_recompute
 from harness.runner.parallel.tensor import apply_tp
-from harness.spec import RunSpec
+from harness.spec import RunSpec, chunk_layer_ranges
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")
 LEARNING_RATE = 1e-3
@@ -62,7 +62,12 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
     pp_rank = mesh["pp"].get_local_rank()
     num_stages = p.pp * p.virtual_stages
     ids = stage_ids(pp_rank=pp_rank, pp=p.pp, virtual_stages=p.virtual_stages) if p.pp > 1 else [0]
-    modules = [split_stage(model, stage=i, num_stages=num_stages) for i in ids] if p.pp > 1 else [model]
+    blocks = chunk_layer_ranges(spec)
+    modules = (
+        [split_stage(model, stage=i, num_stages=num_stages, blocks=blocks[i]) for i in ids]
+        if p.pp > 1
+        else [model]
+    )
     # Vocabulary-sharded logits straight into the loss, except under pipelining, whose stages send
     # and return plain tensors: there the head's output is gathered.
     use_loss_parallel = p.tp > 1 and p.pp == 1

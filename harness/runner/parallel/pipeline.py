@@ -22,12 +22,12 @@ def stage_ids(*, pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
     return [pp_rank + k * pp for k in range(virtual_stages)]
 
 
-def split_stage(model: nn.Module, *, stage: int, num_stages: int) -> nn.Module:
-    """A copy of ``model`` holding only stage ``stage``'s layers (and the embedding / head at the ends)."""
+def split_stage(model: nn.Module, *, stage: int, num_stages: int, blocks: range) -> nn.Module:
+    """A copy of ``model`` holding only stage ``stage``'s layers, ``blocks`` (spec.chunk_layer_ranges:
+    even, or parallel.pp_layers), and the embedding / head at the ends."""
     part = copy.deepcopy(model)
-    per = model.spec.num_layers // num_stages
     for key in list(part.layers.keys()):
-        if not stage * per <= int(key) < (stage + 1) * per:
+        if int(key) not in blocks:
             del part.layers[key]
     if stage != 0:
         part.tok_embeddings = None

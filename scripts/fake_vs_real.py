@@ -1,0 +1,78 @@
+"""Hold every fake run to the real run of the same point (issue 30 item 4): for each config_id run both
+ways (status ok in both), each traced rank's allocated peak against the same rank's measured peak, and
+the replayed reserved peak of the fake trace against that of the real run's trace. Prints the share of
+points within the issue's goals (allocated within 0.5 %, reserved within 1 %) and names every point
+outside them, worst first.
+Run: python scripts/fake_vs_real.py REAL_RESULTS_DIR FAKE_RESULTS_DIR
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pandas as pd
+
+from harness.analysis.report import layout_label
+from harness.sweep.store import load_results
+
+ALLOCATED_GOAL, RESERVED_GOAL = 0.005, 0.01
+
+
+def compare(real: pd.DataFrame, fake: pd.DataFrame) -> pd.DataFrame:
+    """One row per point run both ways: the worst relative gap of a traced rank's allocated peak, the
+    rank it is on, and the relative gap of the replayed reserved peak (fake minus real, over real)."""
+    both = real[real["status"] == "ok"].merge(
+        fake[fake["status"] == "ok"], on="config_id", suffixes=("", "_fake"), validate="one_to_one"
+    )
+    out = []
+    for _, r in both.iterrows():
+        measured = list(r["per_rank_peak_bytes"])
+        traced = dict(zip(r["fake_traced_ranks_fake"], r["per_rank_peak_bytes_fake"], strict=True))
+        gaps = {rank: (peak - measured[rank]) / measured[rank] for rank, peak in traced.items()}
+        rank = max(gaps, key=lambda k: abs(gaps[k]))
+        reserved = (r["sim_peak_reserved_bytes_fake"] - r["sim_peak_reserved_bytes"]) / r["sim_peak_reserved_bytes"]
+        out.append(
+            {
+                "config_id": r["config_id"],
+                "layout": layout_label(r),
+                "allocated_gap": gaps[rank],
+                "rank": int(rank),
+                "reserved_gap": reserved,
+            }
+        )
+    return pd.DataFrame(out)
+
+
+def main() -> None:
+    if len(sys.argv) != 3:
+        sys.exit("usage: python scripts/fake_vs_real.py REAL_RESULTS_DIR FAKE_RESULTS_DIR")
+    (real, _), (fake, _) = load_results(sys.argv[1]), load_results(sys.argv[2])
+    c = compare(real, fake)
+    if c.empty:
+        sys.exit("no point is ok both real and fake")
+    alloc_ok = c["allocated_gap"].abs() <= ALLOCATED_GOAL
+    reserved_known = c["reserved_gap"].notna()
+    res_ok = c["reserved_gap"].abs() <= RESERVED_GOAL
+    print(f"{len(c)} points ok both real and fake ({len(real)} real rows, {len(fake)} fake rows)")
+    print(
+        f"allocated peak, every traced rank within {ALLOCATED_GOAL:.1%}: {alloc_ok.sum()} of {len(c)}; "
+        f"median |gap| {c['allocated_gap'].abs().median():.3%}, worst {c['allocated_gap'].abs().max():.2%}"
+    )
+    print(
+        f"replayed reserved peak within {RESERVED_GOAL:.0%}: {(res_ok & reserved_known).sum()} of "
+        f"{reserved_known.sum()} with both replays; median |gap| {c['reserved_gap'].abs().median():.3%}, "
+        f"worst {c['reserved_gap'].abs().max():.2%}"
+    )
+    outside = c[~alloc_ok | (reserved_known & ~res_ok)]
+    if len(outside):
+        print("\noutside the goals (fake minus real, over real), worst first:")
+        order = outside[["allocated_gap", "reserved_gap"]].abs().max(axis=1).sort_values(ascending=False).index
+        for _, r in outside.loc[order].iterrows():
+            print(
+                f"  {r['config_id']}  allocated {r['allocated_gap']:+.2%} (rank {r['rank']})  "
+                f"reserved {r['reserved_gap']:+.2%}  {r['layout']}"
+            )
+
+
+if __name__ == "__main__":
+    main()
