@@ -30,7 +30,8 @@ def compare(real: pd.DataFrame, fake: pd.DataFrame) -> pd.DataFrame:
         traced = dict(zip(r["fake_traced_ranks_fake"], r["per_rank_peak_bytes_fake"], strict=True))
         gaps = {rank: (peak - measured[rank]) / measured[rank] for rank, peak in traced.items()}
         rank = max(gaps, key=lambda k: abs(gaps[k]))
-        reserved = (r["sim_peak_reserved_bytes_fake"] - r["sim_peak_reserved_bytes"]) / r["sim_peak_reserved_bytes"]
+        real_reserved = r["sim_peak_reserved_bytes"]
+        reserved = (r["sim_peak_reserved_bytes_fake"] - real_reserved) / real_reserved
         out.append(
             {
                 "config_id": r["config_id"],
@@ -66,7 +67,8 @@ def main() -> None:
     outside = c[~alloc_ok | (reserved_known & ~res_ok)]
     if len(outside):
         print("\noutside the goals (fake minus real, over real), worst first:")
-        order = outside[["allocated_gap", "reserved_gap"]].abs().max(axis=1).sort_values(ascending=False).index
+        worst = outside[["allocated_gap", "reserved_gap"]].abs().max(axis=1)
+        order = worst.sort_values(ascending=False).index
         for _, r in outside.loc[order].iterrows():
             print(
                 f"  {r['config_id']}  allocated {r['allocated_gap']:+.2%} (rank {r['rank']})  "
