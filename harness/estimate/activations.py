@@ -59,6 +59,19 @@ def norm_tensors(engine: str, *, fused_norm: bool = False) -> int:
     return 4 if engine == "torch" and not fused_norm else 2
 
 
+def norm_elem_bytes(t: TrainSpec, *, engine: str, fused_norm: bool = False, autocast: bool = False) -> int:
+    """Bytes per element of what an RMSNorm keeps (:func:`norm_tensors`). torch: FP32 under autocast
+    (the residual stream is FP32), and on the CPU whatever the precision: the composite ``F.rms_norm``
+    upcasts BF16 input and keeps the FP32 upcast and the FP32 normalised output (saved tensors of a
+    BF16 ``F.rms_norm`` on the CPU, torch 2.13: two FP32 (s, h), an FP32 1/rms and the weight). The
+    BF16 CPU study's FSDP2 points, whose BF16 comes from FSDP2's parameter dtype without autocast, read
+    5-8 % under while these were counted in BF16. CUDA's fused kernel keeps its input in the input's
+    dtype."""
+    if engine == "torch" and (autocast or not fused_norm):
+        return 4
+    return elem_bytes(t.precision)
+
+
 def layer_activation_bytes(
     m: ModelSpec,
     p: ParallelSpec,
@@ -101,7 +114,7 @@ def layer_activation_bytes(
     kv = kv_elems // kv_div
     math = 0
     if t.attention == "math" and recompute == "none":
-        math = math_attention_elements(m, p, t, kv_div=kv_div)
+        math = math_attention_bytes(m, p, t, kv_div=kv_div, engine=engine)
     mask = 0
     if engine == "torch" and p.cp > 1 and recompute == "none" and t.attention == "flash":
         # The all-gather-KV attention passes SDPA a boolean causal mask (local queries × all keys);
@@ -111,25 +124,49 @@ def layer_activation_bytes(
         # the converted mask to its scores and keeps neither.
         mask = (s // p.cp) * s
     mlp = 4 * s * b * f // tc
-    norm_elem = elem_bytes(t.precision)
+    norm_elem = norm_elem_bytes(t, engine=engine, fused_norm=fused_norm, autocast=autocast)
     if autocast:
         inputs = 5 * sbh // inputs_div  # Q, K, V; gate, up: one BF16 cast each
-        norm_elem = 4
-    return elem_bytes(t.precision) * (inputs + q_out + kv + mlp + math + mask) + norm_elem * norm
+    rope = rope_table_bytes(m, p, t) if engine == "torch" else 0
+    return elem_bytes(t.precision) * (inputs + q_out + kv + mlp + mask) + math + norm_elem * norm + rope
 
 
-def math_attention_elements(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, kv_div: int) -> int:
-    """What the math kernel keeps beyond the fused one, in elements: the softmax output a·s²·b (both
+def rope_table_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
+    """The runner's rotary tables in the compute dtype, per layer and micro-batch: ``Attention.forward``
+    casts its FP32 cos and sin rows (s/c × head_dim, shared by the batch and the heads, so not split by
+    t) to the queries' dtype, and the two multiplications that rotate Q and K save them — a new pair in
+    every layer's forward; in FP32 the cast is the buffer itself. Saved tensors of one ``tiny`` block
+    under BF16 autocast (torch 2.13, CPU): two (512, 32) BF16 tables, the only tensors the engine did
+    not count."""
+    if t.precision == "fp32":
+        return 0
+    return 2 * elem_bytes(t.precision) * (t.seq_len // p.cp) * (m.hidden_size // m.num_heads)
+
+
+def math_attention_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, kv_div: int, engine: str) -> int:
+    """What the math kernel keeps beyond the fused one, in bytes: the softmax output a·s²·b (both
     batched matmuls' backward and the softmax's own need it; the scores before it are freed — no
-    dropout in Llama, so nothing else of Korthikanti's 5as/h) at (s/c)·s per head and a/t heads; and,
-    under GQA, K and V repeated to all a heads (the math path's ``repeat_interleave`` copies, saved
-    instead of the k-head tensors): 2·sbh·(1 − k/a), divided like K and V (``kv_div``). Measured on one
-    ``tiny`` block (s 512, b 4, FP32, saved-bytes of the allocator's stream): 16.97 sbh more than flash,
-    against a·s²·b/sbh = 16 and 2·(1 − 1/2) = 1."""
+    dropout in Llama, so nothing else of Korthikanti's 5as/h) at (s/c)·s per head and a/t heads; and
+    K and V repeated to all a heads (the math path's ``repeat_interleave`` copies, saved instead of the
+    k-head tensors the fused kernel keeps), divided like K and V (``kv_div``).
+
+    In FP32 that is the softmax and 2·sbh·(1 − k/a) more. With BF16 (or FP16) inputs, torch's math
+    path computes in FP32 (``_scaled_dot_product_attention_math`` upcasts query, key and value "for
+    accuracy", on every device): it keeps FP32 copies of Q and of the repeated K and V and an FP32
+    softmax, in place of the BF16 Q, K and V the fused kernel keeps. Measured on one ``tiny`` block
+    (s 512, b 4, FP32, saved-bytes of the allocator's stream): 16.97 sbh more than flash, against
+    a·s²·b/sbh = 16 and 2·(1 − 1/2) = 1; BF16 (saved tensors of SDPA's math backend, torch 2.13):
+    q·scale, kᵀ, v and the probabilities all FP32. The BF16 CPU study measured the single-rank math
+    points 13-16 % above the engine that counted them in BF16. The megatron engine counts Megatron's
+    unfused attention, which computes in the compute dtype."""
     s, b, h = t.seq_len, t.micro_batch_size, m.hidden_size
+    e = elem_bytes(t.precision)
+    wide = 4 if engine == "torch" else e
     softmax = m.num_heads * (s // p.cp) * s * b // p.tp
-    repeated = 2 * s * b * h * (m.num_heads - m.num_kv_heads) // m.num_heads // kv_div
-    return softmax + repeated
+    kv_repeated = 2 * s * b * h // kv_div
+    kv_own = 2 * s * b * h // m.num_heads * m.num_kv_heads // kv_div  # counted by the caller at e
+    q = s * b * h // (p.tp * p.cp)  # counted by the caller at e
+    return wide * (softmax + kv_repeated) - e * kv_own + (wide - e) * q
 
 
 def op_layer_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
@@ -357,10 +394,17 @@ def token_ids(p: ParallelSpec, t: TrainSpec, *, stage: int, engine: str) -> int:
 
 
 def output_activations(
-    m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: str, fused_norm: bool = False
+    m: ModelSpec,
+    p: ParallelSpec,
+    t: TrainSpec,
+    *,
+    stage: int,
+    engine: str,
+    fused_norm: bool = False,
+    autocast: bool = False,
 ) -> int:
     """The last stage's final-norm input and LM-head input (Korthikanti's 4sbh/t at e = 2 with SP);
-    torch's norm also keeps its normalised output (:func:`norm_tensors`).
+    torch's norm also keeps its normalised output (:func:`norm_tensors`), in :func:`norm_elem_bytes`.
 
     torch: the head's column-parallel plan all-gathers its input, which autograd saves, so that half is
     / c only; without SP neither half is sharded by t.
@@ -371,7 +415,8 @@ def output_activations(
     sp = p.sequence_parallel and p.tp > 1
     norm_in = norm_tensors(engine, fused_norm=fused_norm) // 2 * sbh // (p.cp * (p.tp if sp else 1))
     head_in = sbh // (p.cp * (p.tp if (sp and engine == "megatron") else 1))
-    return elem_bytes(t.precision) * (norm_in + head_in) * _last_stage_inflight(p, t)
+    norm_elem = norm_elem_bytes(t, engine=engine, fused_norm=fused_norm, autocast=autocast)
+    return (norm_elem * norm_in + elem_bytes(t.precision) * head_in) * _last_stage_inflight(p, t)
 
 
 def vocab_shards(p: ParallelSpec, *, engine: str) -> int:
@@ -406,12 +451,18 @@ def logits(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: s
     (s 512, b 4, pp 2, BF16), the last stage's peak holds 3 FP32 logit-sized tensors and 1 BF16 one
     under 1F1B, 4 and 2 under GPipe with 2 micro-batches (with :func:`harness.estimate.buffers.loss`'s
     FP32 softmax and its gradient); the engine had counted that gradient in the compute dtype, 11 %
-    short of the BF16 trace (FP32 cannot tell them apart)."""
+    short of the BF16 trace (FP32 cannot tell them apart).
+
+    torch under tp without pp (``loss_parallel``, :func:`harness.estimate.buffers.loss`'s three FP32
+    shards): the fourth is FP32 too — the upcast of the BF16 logits, which the sharded log-softmax's
+    decomposition keeps while the BF16 output is freed (traced: ``tiny``, tp 2, s 512, BF16, four
+    FP32 vocabulary shards at the peak and no BF16 one; counted in BF16 the BF16 CPU study's tp points
+    read 6-8 % under)."""
     if stage != p.pp - 1:
         return 0
     sbv = t.seq_len * t.micro_batch_size * m.vocab_size
     if engine == "torch" and p.pp > 1:
         per_logit = elem_bytes(t.precision) * _last_stage_inflight(p, t) + 4
         return per_logit * sbv // vocab_shards(p, engine=engine)
-    elem = 4 if (engine == "torch" and p.tp == 1) else elem_bytes(t.precision)
+    elem = 4 if engine == "torch" else elem_bytes(t.precision)
     return elem * sbv // vocab_shards(p, engine=engine) * held_outputs(p, t, engine=engine)

@@ -132,7 +132,9 @@ def _activation_terms(
         ("token_ids", act.token_ids(p, t, stage=stage, engine=engine)),
         (
             "output_activations",
-            act.output_activations(m, p, t, stage=stage, engine=engine, fused_norm=fused_norm),
+            act.output_activations(
+                m, p, t, stage=stage, engine=engine, fused_norm=fused_norm, autocast=autocast
+            ),
         ),
         ("logits", logits),
         ("tp_allgather", buf.tp_allgather(m, p, t, autocast=autocast)),

@@ -15,7 +15,13 @@ from harness.estimate import buffers as buf
 BASE = dict(train_seq_len=256, train_micro_batch_size=2)
 # torch: F.rms_norm also saves its normalised output, 2·sbh more per layer = 131,072 elements · 2 B.
 NORM_OUT = 262_144
-TORCH_LAYER = 2_359_296 + NORM_OUT
+# torch on the CPU: the composite F.rms_norm upcasts BF16 and keeps both of its tensors in FP32, 2 B
+# more per element of the 4·sbh = 262,144 norm elements (act.norm_elem_bytes).
+CPU_NORMS_FP32 = 524_288
+# torch in BF16: the rotary cos and sin rows cast to BF16 in every layer, 2 · s·head_dim = 2·256·32
+# elements · 2 B (act.rope_table_bytes).
+ROPE = 32_768
+TORCH_LAYER = 2_359_296 + NORM_OUT + CPU_NORMS_FP32 + ROPE
 
 
 def layer(engine="torch", **kw):
@@ -29,8 +35,9 @@ def test_layer_without_parallelism():
     assert layer("megatron") == 2_359_296
     # The ESTIMATOR's closed form: sbh·2·(12 + 4k/a + 8f/h)/2 = 65,536·(12 + 2 + 22) = 2,359,296.
     assert layer("megatron") == 65_536 * (12 + 2 + 22)
-    # torch: + the two norms' outputs, 2·sbh elements = 4·sbh bytes: 65,536·(16 + 2 + 22).
-    assert layer("torch") == TORCH_LAYER == 65_536 * (16 + 2 + 22)
+    # torch: + the two norms' outputs, 2·sbh elements = 4·sbh bytes: 65,536·(16 + 2 + 22); on the CPU
+    # the norms' four tensors in FP32, and the rotary tables.
+    assert layer("torch") == TORCH_LAYER == 65_536 * (16 + 2 + 22) + CPU_NORMS_FP32 + ROPE
 
 
 def test_megatron_tp_with_sp_shards_everything():
@@ -40,14 +47,21 @@ def test_megatron_tp_with_sp_shards_everything():
 def test_tp_without_sp_llama_form():
     # Korthikanti Table 2 adapted: sbh·(8 + (4 + 4k/a + 8f/h)/t) bytes = 65,536·(8 + 28/2) = 1,441,792.
     assert layer("megatron", parallel_tp=2, parallel_sequence_parallel=False) == 1_441_792
-    # torch: the norms' outputs are not sharded without SP either.
-    assert layer("torch", parallel_tp=2, parallel_sequence_parallel=False) == 1_441_792 + NORM_OUT
+    # torch: the norms' outputs are not sharded without SP either (nor their FP32 width, nor the
+    # rotary tables, which no tp rank splits).
+    assert layer("torch", parallel_tp=2, parallel_sequence_parallel=False) == (
+        1_441_792 + NORM_OUT + CPU_NORMS_FP32 + ROPE
+    )
 
 
 def test_torch_tp_sp_saves_the_gathered_inputs_in_full():
     # norms (inputs and outputs) /2 → 131,072; attention + MLP inputs stay full 131,072; Q,out /2 →
-    # 65,536; K,V /2 → 32,768; MLP /2 → 360,448: 720,896 elements = 1,441,792 B.
-    assert layer("torch", parallel_tp=2, parallel_sequence_parallel=True) == 1_441_792
+    # 65,536; K,V /2 → 32,768; MLP /2 → 360,448: 720,896 elements = 1,441,792 B; the norms' FP32
+    # width halves with them, the rotary tables do not.
+    assert (
+        layer("torch", parallel_tp=2, parallel_sequence_parallel=True)
+        == 1_441_792 + CPU_NORMS_FP32 // 2 + ROPE
+    )
 
 
 def test_context_parallel():
@@ -55,10 +69,13 @@ def test_context_parallel():
     assert layer("megatron", parallel_cp=2) == 1_179_648
     # torch: everything /2 except the gathered, full-sequence K and V (65,536 elements):
     # norms 131,072 + 65,536 + 65,536 + 65,536 + 360,448 = 688,128 elements, plus the causal mask SDPA
-    # saves in the compute dtype, (s/c)·s = 128·256 = 32,768 elements: 720,896 elements = 1,441,792 B.
-    assert layer("torch", parallel_cp=2) == 1_441_792
+    # saves in the compute dtype, (s/c)·s = 128·256 = 32,768 elements: 720,896 elements = 1,441,792 B;
+    # the norms' FP32 width and the rotary rows (s/c of them) halve too.
+    assert layer("torch", parallel_cp=2) == 1_441_792 + (CPU_NORMS_FP32 + ROPE) // 2
     # Recomputing the attention core (selective) recomputes the mask's conversion too.
-    assert layer("torch", parallel_cp=2, train_recompute="selective") == 1_376_256
+    assert (
+        layer("torch", parallel_cp=2, train_recompute="selective") == 1_376_256 + (CPU_NORMS_FP32 + ROPE) // 2
+    )
     s = spec("tiny", **BASE, parallel_cp=2)
     # The gathered K and V (2·s·b·h·k/a = 65,536 elements · 2 B) and the boolean mask (32,768 B).
     assert buf.cp_kv_allgather(s.model, s.parallel, s.train, engine="torch") == 131_072 + 32_768
@@ -68,13 +85,17 @@ def test_context_parallel():
 def test_math_attention_adds_scores_and_selective_recompute_drops_them():
     # softmax a·s²·b = 4·65,536·2 = 524,288 elements, and K and V repeated to 4 heads from 2:
     # 2·sbh·(1 − 2/4) = 65,536; 589,824 elements = 1,179,648 B more (issue 15: measured on the runner
-    # now that it runs the math kernel: the scores before the softmax are not kept).
-    assert layer(train_attention="math") == TORCH_LAYER + 1_179_648
+    # now that it runs the math kernel: the scores before the softmax are not kept) — in FP32, as the
+    # megatron engine counts them. torch's math path computes BF16 in FP32 (act.math_attention_bytes):
+    # 4 B · (the softmax 524,288 + K, V repeated 131,072) − the BF16 K, V the flash kernel would keep
+    # (2 B · 65,536) + Q kept in FP32, not BF16 (2 B · 65,536) = 2,621,440 B.
+    assert layer(train_attention="math") == TORCH_LAYER + 2_621_440
+    assert layer("megatron", train_attention="math") == 2_359_296 + 1_179_648
     assert layer(train_attention="math", train_recompute="selective") == TORCH_LAYER
     # … but one layer's scores come back while its attention core is recomputed in backward.
     sel = spec("tiny", **BASE, train_attention="math", train_recompute="selective")
     stage = act.stage_layer_activations(sel.model, sel.parallel, sel.train, stage=0, engine="torch")
-    assert stage == 4 * TORCH_LAYER + 1_179_648
+    assert stage == 4 * TORCH_LAYER + 2_621_440
     # With CP = 2 each rank holds (s/c)·s of the softmax per head and half the repeated K, V (megatron
     # shards K and V by c): everything halves.
     assert layer("megatron", train_attention="math", parallel_cp=2) == (2_359_296 + 1_179_648) // 2
@@ -83,7 +104,8 @@ def test_math_attention_adds_scores_and_selective_recompute_drops_them():
 def test_full_recompute_keeps_layer_inputs_plus_one_layer():
     s = spec("tiny", **BASE, train_recompute="full")
     # 4 layers × input sbh·2 B = 131,072 each, plus one layer recomputed in full 2,359,296, whose own
-    # input (its first norm input) is one of the four: 3 · 131,072 + 2,359,296 (+ its norms' outputs).
+    # input (its first norm input) is one of the four: 3 · 131,072 + 2,359,296 (+ its norms' outputs,
+    # their FP32 width and the rotary tables: TORCH_LAYER).
     got = act.stage_layer_activations(s.model, s.parallel, s.train, stage=0, engine="torch")
     assert got == 3 * 131_072 + TORCH_LAYER
 
@@ -279,26 +301,27 @@ def test_op_policy_keeps_its_save_list():
     # outputs 2·32,768: 335,872 elements = 671,744 B.
     assert layer(train_recompute="op", parallel_tp=2) == 671_744
     # Backward replays one block: its full activations less what was kept, plus its output (sbh):
-    # 2,621,440 − 950,272 + 131,072 = 1,802,240 B.
+    # TORCH_LAYER − 950,272 + 131,072 B.
     s = spec("tiny", **BASE, train_recompute="op")
     m, p, t = s.model, s.parallel, s.train
-    assert act.recompute_working_set(m, p, t, engine="torch") == 1_802_240
-    assert act.stage_layer_activations(m, p, t, stage=0, engine="torch") == 4 * 950_272 + 1_802_240
+    working = TORCH_LAYER - 950_272 + 131_072
+    assert act.recompute_working_set(m, p, t, engine="torch") == working
+    assert act.stage_layer_activations(m, p, t, stage=0, engine="torch") == 4 * 950_272 + working
 
 
 def test_full_recompute_every_nth_block():
     # tiny has 4 blocks; recompute_every 2 checkpoints the 2nd and 4th: 2 inputs (131,072 B each) and
-    # 2 full layers (2,621,440 B each), plus the 4th's recomputation (2,621,440 − 131,072).
+    # 2 full layers (TORCH_LAYER each), plus the 4th's recomputation (TORCH_LAYER − 131,072).
     s = spec("tiny", **BASE, train_recompute="full", train_recompute_every=2)
     m, p, t = s.model, s.parallel, s.train
     assert act.checkpointed_layers(m, p, t) == 2
     stage = act.stage_layer_activations(m, p, t, stage=0, engine="torch")
-    assert stage == 2 * 131_072 + 2 * 2_621_440 + 2_490_368
+    assert stage == 2 * 131_072 + 2 * TORCH_LAYER + TORCH_LAYER - 131_072
     # Every 3rd: only the 3rd block is checkpointed; the 4th keeps everything, and backward frees it
-    # before it recomputes the 3rd, so no working set is added: 131,072 + 3 · 2,621,440.
+    # before it recomputes the 3rd, so no working set is added: 131,072 + 3 · TORCH_LAYER.
     s3 = replace(s, train_recompute_every=3)
     assert act.stage_layer_activations(s3.model, s3.parallel, s3.train, stage=0, engine="torch") == (
-        131_072 + 3 * 2_621_440
+        131_072 + 3 * TORCH_LAYER
     )
     # Every 8th of 4: none checkpointed, as without recomputation.
     s8 = replace(s, train_recompute_every=8)
@@ -317,24 +340,24 @@ def _stage(s, engine="torch"):
 
 def test_megatron_uniform_method_recomputes_a_group_at_once():
     # Megatron's uniform N = 2 on tiny's 4 blocks: groups (1, 2) and (3, 4), each keeping its input
-    # (131,072 B); backward recomputes a whole group: 2 full layers (2,621,440 B each) less the kept
-    # input: 262,144 + 5,242,880 − 131,072 = 5,373,952.
+    # (131,072 B); backward recomputes a whole group: 2 full layers (TORCH_LAYER each) less the kept
+    # input: 262,144 + 2 · TORCH_LAYER − 131,072.
     s = spec(
         "tiny", **BASE, train_recompute="full", train_recompute_every=2, train_recompute_method="uniform"
     )
     m, p, t = s.model, s.parallel, s.train
     assert act.checkpointed_layers(m, p, t) == 2
     assert act.recomputed_layers(m, p, t) == 4
-    assert act.recompute_working_set(m, p, t, engine="torch") == 2 * 2_621_440 - 131_072
-    assert _stage(s) == 5_373_952
+    assert act.recompute_working_set(m, p, t, engine="torch") == 2 * TORCH_LAYER - 131_072
+    assert _stage(s) == 262_144 + 2 * TORCH_LAYER - 131_072
     # megatron: 2,359,296 per layer: 262,144 + 2 · 2,359,296 − 131,072 = 4,849,664.
     assert _stage(s, "megatron") == 4_849_664
     # N = 3: groups (1, 2, 3) and (4); the 4th is recomputed first, then the first group, after the
-    # 4th's input is freed: 262,144 + 3 · 2,621,440 − 2 · 131,072 = 7,864,320.
-    assert _stage(replace(s, train_recompute_every=3)) == 7_864_320
+    # 4th's input is freed: 262,144 + 3 · TORCH_LAYER − 2 · 131,072.
+    assert _stage(replace(s, train_recompute_every=3)) == 262_144 + 3 * TORCH_LAYER - 2 * 131_072
     # N = 4, one group: its input and all 4 layers at once, what no recomputation holds.
     none = replace(s, train_recompute="none")
-    assert _stage(replace(s, train_recompute_every=4)) == _stage(none) == 4 * 2_621_440
+    assert _stage(replace(s, train_recompute_every=4)) == _stage(none) == 4 * TORCH_LAYER
     # pp 2: each stage's chunk of 2 blocks is one group.
     pp = replace(s, parallel_pp=2, train_num_microbatches=2)
     assert act.checkpointed_layers(pp.model, pp.parallel, pp.train) == 1
@@ -342,14 +365,14 @@ def test_megatron_uniform_method_recomputes_a_group_at_once():
 
 def test_megatron_block_method_checkpoints_the_first_blocks():
     # Megatron's block N = 2 on 4 blocks: the 1st and 2nd keep their input (131,072 B each), the 3rd
-    # and 4th everything (2,621,440 B each); backward has freed the 4th and 3rd before it recomputes
-    # the 2nd, so no working set: 262,144 + 5,242,880 = 5,505,024.
+    # and 4th everything (TORCH_LAYER each); backward has freed the 4th and 3rd before it recomputes
+    # the 2nd, so no working set: 262,144 + 2 · TORCH_LAYER.
     s = spec("tiny", **BASE, train_recompute="full", train_recompute_every=2, train_recompute_method="block")
     m, p, t = s.model, s.parallel, s.train
     assert act.checkpointed_layers(m, p, t) == act.recomputed_layers(m, p, t) == 2
     assert act.recompute_working_set(m, p, t, engine="torch") == 0
-    assert _stage(s) == 5_505_024
-    # Every 2nd (torchtitan) keeps the same, but its last block is checkpointed: + 2,490,368.
-    assert _stage(replace(s, train_recompute_method="every")) == 5_505_024 + 2_490_368
+    assert _stage(s) == 262_144 + 2 * TORCH_LAYER
+    # Every 2nd (torchtitan) keeps the same, but its last block is checkpointed: + TORCH_LAYER − 131,072.
+    assert _stage(replace(s, train_recompute_method="every")) == 262_144 + 3 * TORCH_LAYER - 131_072
     # megatron: 262,144 + 2 · 2,359,296 = 4,980,736.
     assert _stage(s, "megatron") == 4_980_736
