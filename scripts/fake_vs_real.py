@@ -21,9 +21,10 @@ ALLOCATED_GOAL, RESERVED_GOAL = 0.005, 0.01
 def compare(real: pd.DataFrame, fake: pd.DataFrame) -> pd.DataFrame:
     """One row per point run both ways: the worst relative gap of a traced rank's allocated peak, the
     rank it is on, and the relative gap of the replayed reserved peak (fake minus real, over real)."""
-    both = real[real["status"] == "ok"].merge(
-        fake[fake["status"] == "ok"], on="config_id", suffixes=("", "_fake"), validate="one_to_one"
-    )
+    columns = ["fake_traced_ranks", "per_rank_peak_bytes", "sim_peak_reserved_bytes"]
+    traced = fake.loc[fake["status"] == "ok", ["config_id", *columns]]
+    traced = traced.rename(columns={c: f"{c}_fake" for c in columns})
+    both = real[real["status"] == "ok"].merge(traced, on="config_id", validate="one_to_one")
     out = []
     for _, r in both.iterrows():
         measured = list(r["per_rank_peak_bytes"])

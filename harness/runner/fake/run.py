@@ -22,7 +22,8 @@ What differs from the real run, and how it is handled:
   inside FakeTensorMode; the mesh construction runs with fake mode suspended (``_real_meshes``).
 - gloo's reduce-scatter clones its input for the call (``device=cpu`` runs); the fake group allocates
   nothing, so on ``device=cpu`` the trace makes that copy (``modes._gloo_reduce_scatter_copy``); NCCL
-  makes none, and GPU presets trace without it.
+  makes none, and GPU presets trace without it. gloo's point-to-point works also hold their tensors while
+  the pipeline schedule keeps them (``modes._gloo_works_hold_tensors``, CPU only).
 - On a GPU preset the CPU's kernels are replaced by what CUDA's save and allocate
   (:mod:`harness.runner.fake.kernels`); on ``device=cpu`` the CPU kernels are the truth.
 - Not seen at all: the CUDA context, NCCL's buffers, cuBLAS/cuDNN workspaces chosen at run time. The

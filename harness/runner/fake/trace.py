@@ -10,6 +10,7 @@ from harness.runner.fake.modes import (
     _bucketed_ddp,
     _fake_deepcopy,
     _gloo_reduce_scatter_copy,
+    _gloo_works_hold_tensors,
     _local_stage_meta,
     _private_sharding_propagation,
     _real_meshes,
@@ -65,6 +66,7 @@ def trace_rank(
             _fake_deepcopy(fake_mode),
             _private_sharding_propagation(),
             _gloo_reduce_scatter_copy(spec.device.name == "cpu"),
+            _gloo_works_hold_tensors(spec.device.name == "cpu"),
             kernels,
         ):
             model = Llama(spec.model, seq_len=t.seq_len, attention=t.attention)
