@@ -100,7 +100,7 @@ def layer_activation_bytes(
     if recompute == "full":
         recompute = "none"
     if recompute == "op":
-        return op_layer_bytes(m, p, t)
+        return op_layer_bytes(m, p, t, autocast=autocast)
     s, b, h, f = t.seq_len, t.micro_batch_size, m.hidden_size, m.ffn_hidden_size
     sbh = s * b * h
     tc = p.tp * p.cp
@@ -169,7 +169,7 @@ def math_attention_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, kv_div:
     return wide * (softmax + kv_repeated) - e * kv_own + (wide - e) * q
 
 
-def op_layer_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
+def op_layer_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast: bool = False) -> int:
     """A layer under torchtitan's op-level policy (``harness/runner/parallel/recompute.py``): the
     block's input, which the checkpoint keeps, and the outputs of the ops on the save list — the 1st,
     3rd, 5th and 7th of the block's 7 matmuls (wq, wv, w1, w2; wk, wo and w3 are every second one,
@@ -191,17 +191,19 @@ def op_layer_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
     gate = s * b * f // tc
     down = sbh // p.cp
     reduce_scatter = 2 * sbh // tc if sp else 0
-    return layer_input_bytes(m, p, t) + elem_bytes(t.precision) * (
+    return layer_input_bytes(m, p, t, autocast=autocast) + elem_bytes(t.precision) * (
         q + v + attention + gate + down + reduce_scatter
     )
 
 
-def layer_input_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
+def layer_input_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast: bool = False) -> int:
     """A layer's input (the residual stream), all that full recomputation keeps per layer: sequence-
-    sharded by t under SP, by c always."""
+    sharded by t under SP, by c always; FP32 under ``autocast`` (:func:`torch_autocast`: the residual
+    stream is FP32 — traced, ``tiny`` pp 2, full recomputation, BF16: each checkpoint keeps an FP32
+    (s, h) input; counted in BF16, stage 0 read 6 % under)."""
     sbh = t.seq_len * t.micro_batch_size * m.hidden_size
     div = p.cp * (p.tp if (p.sequence_parallel and p.tp > 1) else 1)
-    return elem_bytes(t.precision) * sbh // div
+    return (4 if autocast else elem_bytes(t.precision)) * sbh // div
 
 
 def inflight_chunks(p: ParallelSpec, t: TrainSpec, *, stage: int) -> int:
@@ -272,7 +274,7 @@ def stage_layer_activations(
     layers_per_chunk = m.num_layers // (p.pp * p.virtual_stages)
     chunks = inflight_chunks(p, t, stage=stage)
     if t.recompute == "full":
-        chunk = checkpointed_layers(m, p, t) * layer_input_bytes(m, p, t)
+        chunk = checkpointed_layers(m, p, t) * layer_input_bytes(m, p, t, autocast=autocast)
         chunk += (layers_per_chunk - recomputed_layers(m, p, t)) * layer_activation_bytes(
             m, p, t, engine=engine, recompute="none", fused_norm=fused_norm, autocast=autocast
         )
@@ -311,14 +313,18 @@ def recompute_working_set(
     )
     if t.recompute == "full":
         layers, n = m.num_layers // (p.pp * p.virtual_stages), t.recompute_every
-        kept = layer_input_bytes(m, p, t)
+        kept = layer_input_bytes(m, p, t, autocast=autocast)
         if t.recompute_method == "uniform":
             freed = kept if (layers > n and layers % n) else 0
             return min(n, layers) * full_layer - kept - freed
         last_checkpointed = n >= layers if t.recompute_method == "block" else layers % n == 0
         return full_layer - kept if last_checkpointed else 0
     if t.recompute == "op":
-        return full_layer - op_layer_bytes(m, p, t) + layer_input_bytes(m, p, t)
+        return (
+            full_layer
+            - op_layer_bytes(m, p, t, autocast=autocast)
+            + layer_input_bytes(m, p, t, autocast=autocast)
+        )
     return full_layer - layer_activation_bytes(
         m, p, t, engine=engine, fused_norm=fused_norm, autocast=autocast
     )

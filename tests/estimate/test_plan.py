@@ -69,7 +69,8 @@ def test_bad_options_are_refused(kw, message):
 def test_interleaved_middle_ranks_can_be_the_most_loaded_and_plan_computes_them():
     """Interleaved 1F1B keeps a rank's sent tensors until the step ends, more the later the rank
     (buffers.interleaved_sends_kept), so a middle rank can hold the most: Llama-2-7B, pp 8 × v 2, 32
-    micro-batches of s 4096, full recomputation, has its worst rank at 6. ``plan``'s few dominant
+    micro-batches of s 4096, full recomputation, has its worst rank in the middle (rank 1 since the
+    checkpoints' inputs are counted FP32 under autocast; rank 6 before). ``plan``'s few dominant
     stages missed it (a hypothesis example found it: 31.4 GB against 32.0 GB); interleaved layouts
     now compute every stage."""
     from conftest import spec
@@ -89,7 +90,7 @@ def test_interleaved_middle_ranks_can_be_the_most_loaded_and_plan_computes_them(
         train_seq_len=4096,
     )
     every = estimate(s)
-    assert every.worst.stage == 6
+    assert every.worst.stage not in (0, 7)
     assert dominant_stages(s.parallel, s.train) == tuple(range(8))
     few = estimate_canonical(s, stages=dominant_stages(s.parallel, s.train))
     assert few.total_bytes == every.total_bytes
