@@ -43,6 +43,7 @@ def test_fsdp_dry_run_equals_the_real_rank():
     assert fake == pytest.approx(real, rel=0.005)
 
 
+@pytest.mark.slow  # 8 s; the FSDP2 dry run stays in the default run
 def test_tensor_parallel_dry_run_equals_the_real_rank():
     # It read +5.9 % for tp 2 with sequence parallelism: MemTracker counted DTensor's sharding
     # propagation (global-shape fake tensors, loss_parallel's whole-vocabulary log-softmax among them),

@@ -162,7 +162,7 @@ TIED = {
 }
 
 
-@pytest.mark.parametrize("name", TIED)
+@pytest.mark.parametrize("name", fast_few(TIED, ["tied_pp"]))
 def test_tied_layouts_are_traced_as_the_real_run_measures_them(name):
     from harness.runner.supervisor import run_point
 
@@ -783,7 +783,7 @@ def test_a_fake_row_says_what_the_card_would_do_with_its_trace():
     assert short["sim_capacity_verdict"] == "oom_allocated"
 
 
-@pytest.mark.parametrize("name", ["1f1b", "interleaved"])
+@pytest.mark.parametrize("name", fast_few(["1f1b", "interleaved"], ["interleaved"]))
 def test_a_cpu_trace_keeps_what_gloos_pipeline_sends_hold(name):
     """issue 30: gloo's send works hold the tensor sent while the schedule keeps them (1F1B: the first
     warm-up forward's across the steady state; interleaved: every send until the step ends); the fake
