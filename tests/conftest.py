@@ -72,11 +72,14 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 
 def in_fresh_process(fn, *args):
     """``fn(*args)`` in a freshly spawned interpreter. Tests that run torch work (or a process group) in
-    the test process would leave OpenMP threads or a group behind for the later tests that fork ranks."""
+    the test process would leave OpenMP threads or a group behind for the later tests that fork ranks,
+    and fake-mode work leaves state that a later fake run forked from it inherits. The worker is not
+    daemonic (concurrent.futures), so ``fn`` may fork processes of its own (``run_fake``'s pool)."""
     import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(fn, args)
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def harness_cli(*args: str, timeout: float = 600):

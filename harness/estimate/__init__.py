@@ -1,6 +1,7 @@
 """The analytical estimator: memory per rank (engines paper, megatron, torch) and FLOPs.
 
-One function per term (``params``, ``states``, ``activations``, ``buffers``, ``paper``), one stage composed
+One function per term (``params``, ``states``, ``activations``, ``buffers``, ``paper``; bytes per element
+in ``dtypes``), one stage composed
 from them (``stage``) with its candidate peaks (``peaks``), the one sum (``terms``), the estimate of every
 stage and the most-loaded rank (``core``), the reserved and device levels (``levels``), communication and
 the step-time model (``comm``, ``steptime``), and the questions asked of many estimates (``plan``,

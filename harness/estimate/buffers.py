@@ -7,7 +7,7 @@ a fit reads "coefficient × named term". Sizes are per rank; see each docstring 
 from __future__ import annotations
 
 from harness.estimate import activations as act
-from harness.estimate.activations import elem_bytes
+from harness.estimate.dtypes import elem_bytes
 from harness.estimate.params import layer_params, non_layer_params, stage_params
 from harness.spec import ModelSpec, ParallelSpec, TrainSpec
 

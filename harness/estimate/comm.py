@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from harness.estimate.activations import elem_bytes
+from harness.estimate.dtypes import elem_bytes
 from harness.estimate.flops import hardware_flops_per_step, model_flops_per_step
 from harness.estimate.params import stage_params
 from harness.spec import RunSpec, busiest_stage_view

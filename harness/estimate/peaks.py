@@ -10,7 +10,7 @@ from __future__ import annotations
 from harness.estimate import activations as act
 from harness.estimate import buffers as buf
 from harness.estimate import states as st
-from harness.estimate.activations import elem_bytes
+from harness.estimate.dtypes import elem_bytes
 from harness.spec import ParallelSpec, RunSpec, TrainSpec
 
 

@@ -31,8 +31,8 @@ from __future__ import annotations
 from collections import Counter
 from functools import lru_cache
 
-from harness.estimate.activations import elem_bytes, torch_autocast
 from harness.estimate.buffers import kept_head
+from harness.estimate.dtypes import elem_bytes, torch_autocast
 from harness.estimate.params import layer_params, non_layer_params
 from harness.estimate.states import torch_grads_at_peak
 from harness.spec import ModelSpec, ParallelSpec, RunSpec, TrainSpec
@@ -67,7 +67,7 @@ def layer_tensors(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast: bool
     outputs (sequence-sharded by t·c with SP, by c without), the gathered attention and MLP inputs (by c),
     K and V (full sequence under all-gather context parallelism, by t) and the four SwiGLU tensors (by
     t·c). Full recomputation keeps the layer's input only. ``autocast``
-    (:func:`~harness.estimate.activations.torch_autocast`): the norms keep FP32 tensors."""
+    (:func:`~harness.estimate.dtypes.torch_autocast`): the norms keep FP32 tensors."""
     e = elem_bytes(t.precision)
     tc, c = p.tp * p.cp, p.cp
     sbh = t.seq_len * t.micro_batch_size * m.hidden_size

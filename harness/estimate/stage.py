@@ -8,6 +8,7 @@ from functools import lru_cache
 from harness.estimate import activations as act
 from harness.estimate import buffers as buf
 from harness.estimate import states as st
+from harness.estimate.dtypes import torch_autocast
 from harness.estimate.params import largest_param, stage_params
 from harness.estimate.peaks import fsdp_last_stage_peaks, replicated_embedding_grad
 from harness.estimate.terms import BUFFER_TERMS, STATE_TERMS, STEP_TERMS, StageEstimate
@@ -163,7 +164,7 @@ def stage_estimate(spec: RunSpec, stage: int, engine: str) -> StageEstimate:
         p.virtual_stages,
         p.cp_load_balance,
         fused_norm,
-        engine == "torch" and act.torch_autocast(p, t),
+        engine == "torch" and torch_autocast(p, t),
     )
     a_items, activations = _activation_terms(m, t, stage, engine, layout)
     terms = dict(s_items + a_items)

@@ -9,7 +9,8 @@ pads the first dimension to a multiple of the group size.
 
 from __future__ import annotations
 
-from harness.estimate.activations import elem_bytes, inflight_chunks
+from harness.estimate.activations import inflight_chunks
+from harness.estimate.dtypes import elem_bytes
 from harness.spec import ParallelSpec, TrainSpec
 
 

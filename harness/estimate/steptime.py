@@ -35,8 +35,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from harness.estimate.activations import elem_bytes, layer_activation_bytes, recomputed_layers
+from harness.estimate.activations import layer_activation_bytes, recomputed_layers
 from harness.estimate.comm import bubble_fraction, cost
+from harness.estimate.dtypes import elem_bytes
 from harness.estimate.flops import model_flops_per_step
 from harness.estimate.params import layer_matrix_params, stage_params
 from harness.spec import DeviceSpec, RunSpec, busiest_stage_view

@@ -11,12 +11,13 @@ from conftest import in_fresh_process, replace, spec
 
 from harness.estimate import activations as act
 from harness.estimate import buffers as buf
+from harness.estimate.dtypes import torch_autocast
 
 BASE = dict(train_seq_len=256, train_micro_batch_size=2)
 # torch: F.rms_norm also saves its normalised output, 2·sbh more per layer = 131,072 elements · 2 B.
 NORM_OUT = 262_144
 # torch on the CPU: the composite F.rms_norm upcasts BF16 and keeps both of its tensors in FP32, 2 B
-# more per element of the 4·sbh = 262,144 norm elements (act.norm_elem_bytes).
+# more per element of the 4·sbh = 262,144 norm elements (dtypes.norm_elem_bytes).
 CPU_NORMS_FP32 = 524_288
 # torch in BF16: the rotary cos and sin rows cast to BF16 in every layer, 2 · s·head_dim = 2·256·32
 # elements · 2 B (act.rope_table_bytes).
@@ -230,7 +231,7 @@ def test_torch_pipeline_first_stage_keeps_each_inflight_stage_output(precision):
 
     s, traced2, est2 = both(2)
     _, traced4, est4 = both(4)
-    autocast = act.torch_autocast(s.parallel, s.train)
+    autocast = torch_autocast(s.parallel, s.train)
     assert autocast == (precision == "bf16")
     one = act.boundary_bytes(s.model, s.parallel, s.train, autocast=autocast)
     assert one == 4 * 512 * 4 * 128  # FP32: the model in FP32, or the residual stream under autocast

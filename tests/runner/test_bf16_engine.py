@@ -3,7 +3,7 @@ by the tensors torch saves, and the real runs that read 6-16 % above the engine 
 
 - SDPA's math path computes BF16 in FP32 (act.math_attention_bytes);
 - under tp, loss_parallel keeps the FP32 upcast of the logits in place of the BF16 ones (act.logits);
-- on the CPU, the composite ``F.rms_norm`` keeps FP32 tensors for BF16 input (act.norm_elem_bytes),
+- on the CPU, the composite ``F.rms_norm`` keeps FP32 tensors for BF16 input (dtypes.norm_elem_bytes),
   which autocast hid and FSDP2's BF16 parameters (no autocast) showed;
 - the rotary tables cast to BF16 in every layer (act.rope_table_bytes).
 """

@@ -11,11 +11,15 @@ import dataclasses
 from conftest import spec
 
 from harness.estimate import estimate
-from harness.estimate.activations import layer_activation_bytes, torch_autocast
+from harness.estimate.activations import layer_activation_bytes
+from harness.estimate.dtypes import torch_autocast
 from harness.estimate.params import stage_params
 from harness.spec import canonical
 
 MIB = 2**20
+# The rotary cos and sin rows every layer casts to BF16 and keeps: 2 · s · head_dim · 2 B = 2·256·32·2
+# (activations.rope_table_bytes), per layer and micro-batch, not split by tp.
+ROPE = 32_768
 
 
 def _tp_pp(vocab: int = 4096, **overrides):
@@ -31,16 +35,17 @@ def test_stage0_embedding_gradient_is_replicated_and_doubled_at_the_second_backw
     # 1F1B stage 0 holds 2 micro-batches and runs 4: gradients exist at the peak ("accumulated").
     # Their sharded size 4·n, plus the embedding's other half: 4 · 8192·128 · (1 − 1/2) = 2 MiB.
     assert terms["grads"] == 4 * n + 2 * MIB
-    # The activations: 4 MiB held (test_autocast_layer below); at the first backward, the MLP's
+    # The activations: 4 MiB and 4 pairs of rotary tables held (test_autocast_layer below: 2 layers × 2
+    # micro-batches); at the first backward, the MLP's
     # backward working set, 3 BF16 tensors of b·s·f/t = 1·256·176 less the down projection's saved
     # input: 2 · 45 056 · 2 = 180 224 B; the 2 in-flight stage outputs, FP32 s·b·h/t = 65 536 B each.
     working = 2 * 256 * 176 * 2
-    assert terms["activations"] == 4 * MIB + working + 2 * 65_536
+    assert terms["activations"] == 4 * MIB + 4 * ROPE + working + 2 * 65_536
     # The second backward's end: a new full embedding gradient, 4 · 8192·128 = 4 MiB, while one
     # micro-batch's activations are freed (2 in flight − min(2 − 1, 4 − 2) = 1 of the 4 MiB held:
-    # 2 MiB) and the working set is gone; what that adds over the forward/backward terms:
-    # 4 − 2 MiB − the working set.
-    assert terms["grad_reduce"] == 2 * MIB - working
+    # 2 MiB and its 2 pairs of tables) and the working set is gone; what that adds over the
+    # forward/backward terms: 4 − 2 MiB − 2 tables − the working set.
+    assert terms["grad_reduce"] == 2 * MIB - 2 * ROPE - working
 
 
 def test_stage0_autocast_copies_leave_the_embedding_out():
@@ -77,9 +82,9 @@ def test_as_many_micro_batches_as_stages_puts_the_gradient_at_the_step():
     assert terms["step_grads"] == 4 * n + 1 * MIB
     # The second backward's end frees both micro-batches (2 − min(2 − 1, 2 − 2) = 2 of 2) and the
     # blocks' backward working set (2 · 256·176 · 2 B net) and holds every gradient (4·n + 1 MiB) and
-    # the new embedding gradient (2 MiB): it adds that less the 4 MiB of activations and the working
-    # set over the first backward's peak.
-    assert terms["grad_reduce"] == 4 * n + 1 * MIB + 2 * MIB - 4 * MIB - 2 * 256 * 176 * 2
+    # the new embedding gradient (2 MiB): it adds that less the 4 MiB of activations (and their 4
+    # pairs of rotary tables) and the working set over the first backward's peak.
+    assert terms["grad_reduce"] == 4 * n + 1 * MIB + 2 * MIB - 4 * MIB - 4 * ROPE - 2 * 256 * 176 * 2
 
 
 def test_without_tensor_parallelism_nothing_changes():
@@ -94,13 +99,13 @@ def test_autocast_layer():
     # layer), sbh = 256·128 = 32,768. Under autocast: norms 4·sbh/2 in FP32 = 262,144 B; inputs
     # 5·sbh in BF16 (Q, K, V, gate, up each cast their own) = 327,680 B; Q and attention output
     # 2·sbh/2 = 65,536 B; K and V 2·sbh·(2/4)/2 = 32,768 B; MLP 4·s·f/2 = 180,224 elements = 360,448 B.
-    # Total 1,048,576 B. Without autocast (the same layout's FSDP2-cast BF16): norms 131,072 B and
-    # inputs 2·sbh = 131,072 B: 720,896 B.
+    # Total 1,048,576 B, and the rotary tables. Without autocast (the same layout's FSDP2-cast BF16):
+    # inputs 2·sbh = 131,072 B, the CPU's norms still FP32: 851,968 B and the tables.
     p = _tp_pp().parallel
     t = _tp_pp().train
     m = _tp_pp().model
-    assert layer_activation_bytes(m, p, t, engine="torch", autocast=True) == 1_048_576
-    assert layer_activation_bytes(m, p, t, engine="torch") == 720_896
+    assert layer_activation_bytes(m, p, t, engine="torch", autocast=True) == 1_048_576 + ROPE
+    assert layer_activation_bytes(m, p, t, engine="torch") == 851_968 + ROPE
 
 
 def test_autocast_is_where_the_runner_uses_it():
