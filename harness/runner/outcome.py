@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from harness.runner.procs import Terminated
+from harness.runner.procs import HOST_FAULT_EXIT, HostFault, Terminated
 from harness.runner.record import finish_record
 from harness.spec import RunSpec
 
@@ -126,6 +126,12 @@ def point_record(
             error_rank=silent[0],
             exit_code=None,
             **common,
+        )
+    faults = [r for r, c in sorted(codes.items()) if c == HOST_FAULT_EXIT or ranks[r].get("host_fault")]
+    if faults:  # the machine failed the point (procs.HOST_FAULT_ERRNOS): no record, as for SIGTERM
+        why = ranks[faults[0]].get("host_fault") or f"it could not write its report in {out_dir}"
+        raise HostFault(
+            f"rank {faults[0]}: {why} (a full or read-only scratch directory, or too many open files)"
         )
     # Ranks a supervisor killed (stragglers after a failure, or everyone at the deadline) are not the
     # cause of anything.

@@ -6,6 +6,7 @@ Shared by the supervisor, its workers and the fake-run pool (none of them import
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import shutil
@@ -24,6 +25,22 @@ class Terminated(BaseException):
     are reaped, no record is written (the point did not run to an outcome; a resumed sweep runs it
     again), and the exception goes on up. A BaseException so that handlers of ordinary errors let it
     through; the command line turns it into one line and exit status 143 (128 + SIGTERM)."""
+
+
+# The machine's fault, not the point's: no room or no write access where the supervisor or a rank keeps
+# its files (TMPDIR, results_dir), too many open files. Issue 29: a full TMPDIR turned 6 of 8 points into
+# `crash` rows that counted as done. Such a point has no outcome: no record, and the sweep stops.
+HOST_FAULT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EMFILE, errno.ENFILE})
+HOST_FAULT_EXIT = 75  # a rank's exit status for one (BSD's EX_TEMPFAIL): the supervisor raises HostFault
+
+
+class HostFault(OSError):
+    """The machine failed a point (:data:`HOST_FAULT_ERRNOS`, from the supervisor or a rank): no record."""
+
+
+def host_fault(exc: BaseException) -> bool:
+    """Whether ``exc`` is the machine's fault rather than the point's."""
+    return isinstance(exc, HostFault) or (isinstance(exc, OSError) and exc.errno in HOST_FAULT_ERRNOS)
 
 
 def _raise_terminated(signum, frame):

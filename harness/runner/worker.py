@@ -25,7 +25,7 @@ from harness.runner.measure.peak import PeakMemory, cpu_peak_tflops, start_cuda_
 from harness.runner.model import Llama
 from harness.runner.parallel.compose import MESH_DIMS, parallelize, train_step
 from harness.runner.parallel.context import shard_sequence
-from harness.runner.procs import write_json, write_trace_file
+from harness.runner.procs import HOST_FAULT_EXIT, host_fault, write_json, write_trace_file
 from harness.spec import RunSpec, spec_id
 
 WARMUP_STEPS = 1  # AdamW's state appears at the first optimizer.step(): measure from the second step on
@@ -207,8 +207,13 @@ def run_rank(
             oom_kind=kind,
             traceback=traceback.format_exc()[-4000:],
         )
-        write_json(out, result)
-        os._exit(3 if oom else 1)
+        if host_fault(exc):  # the machine's fault (a full TMPDIR...): the point has no outcome
+            result["host_fault"] = f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else "")
+        try:
+            write_json(out, result)
+        except OSError as unwritten:  # not even the report: the exit status says why
+            os._exit(HOST_FAULT_EXIT if host_fault(unwritten) else 1)
+        os._exit(HOST_FAULT_EXIT if host_fault(exc) else (3 if oom else 1))
 
 
 DESTROY_TIMEOUT_S = 10.0

@@ -10,6 +10,7 @@ a point carry its token and run under that claim.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -188,7 +189,11 @@ def release(results_dir: str | Path, cid: str, token: str) -> None:
         _held.pop(path, None)
     info, _ = read_claim(path)
     if info and info.get("token") == token:
-        path.unlink(missing_ok=True)
+        # On a results_dir gone read-only the claim stays: it names this process, which is ending, and the
+        # next sweep takes a dead process's claim over (is_live). The error that stopped the sweep is the
+        # one to report, not this one.
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
 
 
 def release_all(token: str) -> None:

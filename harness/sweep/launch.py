@@ -14,6 +14,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from harness.runner.procs import host_fault
 from harness.runner.record import invalid_record
 from harness.spec import InvalidSpec, canonical, config_spec, spec_id
 from harness.sweep import claims
@@ -302,7 +303,13 @@ def run_job(cfg: dict[str, Any]) -> str:
         if other is not None:
             return f"held by another sweep ({claims.describe(other)})"
         return _run_claimed(cfg, cid, task)
-    got, info = claims.try_claim(results_dir, cid, token)
+    try:
+        got, info = claims.try_claim(results_dir, cid, token)
+    except OSError as exc:  # a results_dir gone full or read-only mid-sweep (issue 29): one line, stop
+        raise SystemExit(
+            f"harness sweep: error: cannot claim {cid} in {results_dir}: {exc.strerror or exc}; the sweep "
+            "stops (every row written so far is whole: run it again to resume once there is room)"
+        ) from None
     if not got:
         print(
             f"harness sweep: {cid} is being run by another sweep ({claims.describe(info)}): not run here",
@@ -331,6 +338,12 @@ def _run_claimed(cfg: dict[str, Any], cid: str, task, *, token: str | None = Non
         # run.mode real or fake
         row = run_configured(spec_of(cfg), cfg["run"], task=task, artifacts=run_artifacts(cfg))
     except Exception as exc:  # the supervisor failed or was interrupted: still one row
+        if host_fault(exc):  # ... unless the machine failed it (a full TMPDIR): no outcome, no row
+            raise SystemExit(
+                f"harness sweep: error: {cid} not run: this machine failed it, not the point: "
+                f"{exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}; no row written and the "
+                "sweep stops (run it again once there is room: it resumes)"
+            ) from None
         row = invalid_record(spec_of(cfg), "")
         timeout = isinstance(exc, SlurmSignal)
         row.update(

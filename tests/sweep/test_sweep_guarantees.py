@@ -10,10 +10,11 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import harness_cli
+from conftest import harness_cli, spec
 
 from harness.cli.config import compose
 from harness.sweep import claims
@@ -316,6 +317,69 @@ def test_a_full_disk_stops_the_sweep_in_one_line_and_loses_nothing(tmp_path, mon
     assert "\n" not in str(stop.value)
     assert load_results(tmp_path)[0]["config_id"].tolist() == ["earlier"] and earlier.exists()
     assert not claims.claim_path(tmp_path, point_id(cfg)).exists()  # its claim released
+
+
+def test_a_results_dir_that_cannot_take_a_claim_stops_the_sweep_in_one_line(tmp_path, monkeypatch):
+    """issue 29 item 5: a results_dir gone full or read-only mid-sweep failed at the claim, before the
+    row: Hydra's "Error executing job" and 53 lines; releasing the claim then failed again."""
+    cfg = config(tmp_path, "++sweep.claim=t")
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(claims, "_write", read_only)
+    with pytest.raises(SystemExit) as stop:
+        run_job(cfg)
+    assert str(stop.value) == (
+        f"harness sweep: error: cannot claim {point_id(cfg)} in {tmp_path}: Read-only file system; the "
+        "sweep stops (every row written so far is whole: run it again to resume once there is room)"
+    )
+    assert result_files(tmp_path) == []
+
+
+def test_a_claim_that_cannot_be_released_leaves_the_stop_line_alone(tmp_path, monkeypatch):
+    cfg = config(tmp_path, "++sweep.claim=t")
+    monkeypatch.setattr(
+        "harness.runner.supervisor.run_point", lambda spec, **kw: {"status": "ok", "error": None}
+    )
+
+    def full(record, results_dir):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def read_only(self, missing_ok=False):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr("harness.sweep.launch.write_record", full)
+    monkeypatch.setattr(Path, "unlink", read_only)
+    with pytest.raises(SystemExit) as stop:  # the row's error, not the release's
+        run_job(cfg)
+    assert str(stop.value).startswith(f"harness sweep: error: cannot write the row of {point_id(cfg)}")
+
+
+def test_a_machine_fault_in_a_rank_is_no_row_and_stops_the_sweep(tmp_path, monkeypatch):
+    """issue 29 item 5: a full TMPDIR turned 6 of 8 points into `crash` rows that counted as done. A rank
+    that cannot write its report for lack of room exits with HOST_FAULT_EXIT; the supervisor raises
+    HostFault, and the sweep stops in one line without a row (run again, the point runs)."""
+    import harness.runner.worker as worker
+    from harness.runner.procs import HostFault
+    from harness.runner.supervisor import run_point
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(worker, "write_json", full)  # inherited by the forked ranks
+    with pytest.raises(HostFault, match=r"^rank 0: it could not write its report in .*harness-point-"):
+        run_point(spec("tiny", train_precision="fp32", train_seq_len=32, train_steps=2), timeout_s=120)
+    cfg = config(tmp_path, "++sweep.claim=t")
+    with pytest.raises(SystemExit) as stop:
+        run_job(cfg)
+    line = str(stop.value)
+    assert line.startswith(
+        f"harness sweep: error: {point_id(cfg)} not run: this machine failed it, not the point: "
+    )
+    assert "could not write its report" in line and "\n" not in line
+    assert result_files(tmp_path) == []  # no row: the point has no outcome, a rerun runs it
+    assert not claims.claim_path(tmp_path, point_id(cfg)).exists()
 
 
 # ---------------------------------------------------------------------------------- closing lines
