@@ -190,14 +190,20 @@ def existing_ids(results_dir: str | Path, *, set_aside_unreadable: bool = False)
     return ids
 
 
-def _read(path: Path, columns: list[str] | None) -> tuple[pa.Table, pa.Schema]:
-    """The file's table (only ``columns`` and the required ones, when given) and its schema. Only
-    the columns read are checked for clashes: ``results status`` reads two of ~100 (issue 12: it
-    took 25 s over 5,000 row files), and the readers of every column check every column."""
-    # ParquetFile.read skips the columns a file lacks. No schema of the whole file is asked for:
-    # building it costs as much as the read (arrow's), or five times the memory (parquet's).
+def _read(
+    path: Path, columns: list[str] | None, schemas: dict[bytes, pa.Schema]
+) -> tuple[pa.Table, pa.Schema]:
+    """The file's table (only ``columns`` and the required ones, when given) and the schema of the whole
+    file, which every column's clash is checked on: ``results status`` reads two of ~140 columns (issue
+    12: reading all took 25 s over 5,000 row files) and still names a row whose other columns clash, as
+    ``calibrate`` and ``report`` do (issue 29: it counted that row without naming it). The whole
+    schema is built once per distinct serialized schema in the footers (``schemas``: the files of one
+    sweep share a few), keyed by the footer's ``ARROW:schema`` entry, which the read parses anyway
+    (building it for every file made status on 5,000 rows 7.8 s instead of 4.7)."""
+    # ParquetFile.read skips the columns a file lacks.
     wanted = None if columns is None else list(dict.fromkeys([*REQUIRED, *columns]))
-    table = pq.ParquetFile(path).read(columns=wanted, use_threads=False)
+    parquet = pq.ParquetFile(path)
+    table = parquet.read(columns=wanted, use_threads=False)
     missing = [c for c in REQUIRED if c not in table.column_names]
     if missing:
         raise ValueError(f"not a harness row file (no {' or '.join(missing)} column); skipped")
@@ -205,14 +211,25 @@ def _read(path: Path, columns: list[str] | None) -> tuple[pa.Table, pa.Schema]:
         kind = table.schema.field(name).type
         if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)):
             raise ValueError(f"not a harness row file (column {name} is {kind}, not text); skipped")
-    return table, table.schema
+    if columns is None:
+        return table, table.schema
+    key = (parquet.metadata.metadata or {}).get(b"ARROW:schema")
+    if key is None:
+        return table, parquet.schema_arrow
+    if key not in schemas:
+        schemas[key] = parquet.schema_arrow
+    return table, schemas[key]
 
 
 def _reference_types(schemas: list[pa.Schema]) -> dict[str, pa.DataType]:
     """Each column's type in most files (null columns have no say): the schema a clashing file is
     measured against, so that one foreign file cannot make every other file the odd one out."""
     votes: dict[str, Counter] = {}
-    for schema, n in Counter(schemas).items():  # row files of one sweep share a few schemas
+    # Row files of one sweep share a few schema objects (_read's cache): counted by identity, since
+    # hashing a ~140-field schema per file cost a second over 5,000 files.
+    distinct = {id(schema): schema for schema in schemas}
+    for key, n in Counter(id(schema) for schema in schemas).items():
+        schema = distinct[key]
         for f in schema:
             if not pa.types.is_null(f.type):
                 votes.setdefault(f.name, Counter())[f.type] += n
@@ -261,8 +278,9 @@ def load_results(
     rows = result_files(root)
     datasets = dataset_files(root) if include_datasets else []
     files = datasets + rows
+    schemas: dict[bytes, pa.Schema] = {}  # (_read: shared by the threads; a lost race builds one twice)
     with ThreadPoolExecutor(READ_THREADS) as pool:
-        results = list(pool.map(lambda p: _try(_read, p, columns), files))
+        results = list(pool.map(lambda p: _try(_read, p, columns, schemas), files))
     bad, read = [], []
     for path, (got, exc) in zip(files, results, strict=True):
         if exc is not None:
@@ -270,13 +288,13 @@ def load_results(
         else:
             read.append((path, *got))
     reference = _reference_types([schema for _, _, schema in read])
-    clashes: dict[pa.Schema, str | None] = {}
+    clashes: dict[int, str | None] = {}  # by identity, as in _reference_types
     tables = []
     row_ids = {p.stem for p in rows}
     for path, table, schema in read:
-        if schema not in clashes:
-            clashes[schema] = _clash(schema, reference)
-        clash = clashes[schema]
+        if id(schema) not in clashes:
+            clashes[id(schema)] = _clash(schema, reference)
+        clash = clashes[id(schema)]
         if clash:
             bad.append(f"{path}: ArrowTypeError: {clash}")
             continue

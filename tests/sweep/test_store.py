@@ -6,6 +6,7 @@ import multiprocessing
 import time
 
 import pandas as pd
+from conftest import harness_cli
 
 from harness.sweep.store import compact, existing_ids, load_results, result_files, write_record
 
@@ -114,11 +115,11 @@ def test_foreign_and_type_clashing_files_are_named_and_skipped(tmp_path):
         "column peak_allocated_bytes is string here and int64 in the other files" in named["id0007.parquet"]
     )
     assert "column status is int64, not text" in named["id0008.parquet"]
-    # compact skips them the same way; the two-column read of `results status` checks only what it
-    # reads, so the row whose peak is text counts there as a run
+    # compact skips them the same way; the two-column read of `results status` checks every column's
+    # type in the footers, so the row whose peak is text is named there too (issue 29: it was counted)
     assert compact(tmp_path)[1:] == (3, bad)
-    frame, bad = load_results(tmp_path, columns=["status"])
-    assert sorted(frame["config_id"]) == ["id0000", "id0001", "id0002", "id0007"] and len(bad) == 2
+    frame, bad_status = load_results(tmp_path, columns=["status"])
+    assert sorted(frame["config_id"]) == ["id0000", "id0001", "id0002"] and sorted(bad_status) == sorted(bad)
 
 
 def test_row_files_are_the_truth_and_the_dataset_is_derived(tmp_path):
@@ -258,3 +259,18 @@ def test_compact_never_overwrites_a_dataset_it_could_not_read(tmp_path):
         compact(other)
     assert (other / "dataset.parquet").read_bytes() == before
     assert pa.parquet.read_table(other / "dataset.parquet").num_rows == 8
+
+
+def test_results_status_names_a_row_whose_other_columns_clash(tmp_path):
+    """issue 29 item 9: status read two columns and counted a row that calibrate and report skip for a
+    clash in another column, without naming it; it now checks every column's type in the footers."""
+    write_record({"config_id": "a", "status": "ok", "peak_allocated_bytes": 100}, tmp_path)
+    write_record({"config_id": "b", "status": "ok", "peak_allocated_bytes": "100"}, tmp_path)
+    write_record({"config_id": "c", "status": "oom", "peak_allocated_bytes": 300}, tmp_path)
+    done = harness_cli("results", "status", f"results_dir={tmp_path}")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"{tmp_path}: 2 runs: ok 1, oom 1")
+    assert done.stderr.strip() == (
+        f"unreadable: {tmp_path}/b.parquet: ArrowTypeError: column peak_allocated_bytes is string here "
+        "and int64 in the other files; skipped"
+    )
