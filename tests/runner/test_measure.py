@@ -167,6 +167,25 @@ def test_trace_follows_the_running_total_where_the_profiler_events_do_not():
     assert live == {10: 100, 30: 8, 20: 100}
 
 
+def test_a_corrected_guess_never_revives_a_block_whose_address_came_back():
+    """issue 30: a BF16 run with recomputation had no replay ("alloc at ..., which is already
+    allocated"). A drop guessed as 10's free, then 10's address handed out again, then 20's address
+    back with no drop: the correction took the guess for 20's and revived 10 beside its new block."""
+    from harness.alloc import replay
+
+    _, ev = _events_of(
+        _found((0, 10, 100, 100), (1, 20, 100, 200), (2, 30, 8, 108), (3, 10, 100, 208), (4, 20, 100, 308))
+    )
+    live = set()
+    for action, addr, _ in ev:
+        if action == "alloc":
+            assert addr not in live, ev  # never allocated twice
+            live.add(addr)
+        else:
+            live.remove(addr)
+    replay([{"action": a, "addr": addr, "size": n, "stream": 0} for a, addr, n in ev])  # does not raise
+
+
 def test_ddp_holds_one_set_of_gradient_buckets_at_its_peak():
     # DDP's reducer rebuilds its buckets in the second step's forward and frees the first set. Counted
     # from the measured step's start, the first set looked alive throughout (tiny, dp 2, sequence 512:

@@ -156,6 +156,7 @@ class _AllocatorPeak:
         sizes: dict[int, tuple[int, int, bool, int]] = {}
         guesses: dict[int, list[tuple[int, int, int, int]]] = {}  # bytes → (event index, addr, stream, made)
         late: dict[int, int] = {}  # frees still to come for blocks whose free was inferred
+        last_alloc: dict[int, int] = {}  # address → index of the last alloc event made there
         running = found[0][4] - found[0][3] if found else 0
         for i, (t_ns, _, ptr, size, total, _event) in enumerate(found):
             gap = (total - size) - running
@@ -164,6 +165,7 @@ class _AllocatorPeak:
                 addr = _FOREIGN_BASE + self.foreign_allocs
                 self.foreign_allocs += 1
                 sizes[addr] = (gap, 0, False, len(self.events))
+                last_alloc[addr] = len(self.events)
                 self.events.append(_trace_event("alloc", addr, gap, 0, t_ns))
             elif gap < 0:  # freed on such a thread: which block of that size is a guess (the oldest,
                 # as asynchronous collectives finish in order), unless this event reuses its address
@@ -189,7 +191,14 @@ class _AllocatorPeak:
                     # An address handed out again proves the block was freed, though no free was seen.
                     old, old_stream, _, old_made = sizes.pop(ptr)
                     # (a guess made after this block was allocated: its free could have been this one)
-                    wrong = [g for g in guesses.get(old, []) if g[1] != ptr and g[0] > old_made]
+                    # — unless that other block's address was handed out again after the guessed free:
+                    # alive again, it would then be allocated twice (issue 30: a BF16 run with
+                    # recomputation had no replay, "alloc at ..., which is already allocated").
+                    wrong = [
+                        g
+                        for g in guesses.get(old, [])
+                        if g[1] != ptr and g[0] > old_made and last_alloc.get(g[1], -1) < g[0]
+                    ]
                     if gap == 0 and wrong:
                         # The total already counted that free, against another block of the same size:
                         # the earlier guess was this block, and the other one is alive after all.
@@ -203,6 +212,7 @@ class _AllocatorPeak:
                         late[ptr] = late.get(ptr, 0) + 1
                 stream = stream_of(ptr, size)
                 sizes[ptr] = (size, stream, shown[i], len(self.events))
+                last_alloc[ptr] = len(self.events)
                 self.events.append(_trace_event("alloc", ptr, size, stream, t_ns))
             elif late.get(ptr):
                 late[ptr] -= 1

@@ -207,10 +207,9 @@ class PeakMemory:
         except ValueError as e:  # harness.alloc.TraceError: the reconstruction's fault, not the run's
             import sys
 
-            print(
-                f"warning: the step's allocation trace does not replay ({e}); no sim_* figures",
-                file=sys.stderr,
-            )
+            reason = f"the step's allocation trace does not replay ({e})"
+            self._result["sim_skipped_reason"] = reason  # (a row without sim_* said nothing of why)
+            print(f"warning: {reason}; no sim_* figures", file=sys.stderr)
 
     def result(self) -> dict[str, Any]:
         return dict(self._result)
