@@ -180,11 +180,12 @@ COMMAND_HELP: dict[str, Command] = {
         "every layout of plan.gpus devices that fits, ranked; or a reverse question (plan.solve=)",
         "Enumerates (dp, tp, pp, cp, ZeRO stage, micro-batch, recomputation, schedule) at a fixed global "
         "batch, estimates each and ranks those that fit; where pp does not divide the layers, the first "
-        "and last stages get a block fewer (pp* in the table; parallel.pp_layers=[...] with parallel.pp "
-        "sets your own). plan.solve=min_gpus: the fewest devices on "
-        "which some layout fits; max_micro_batch / max_seq_len: the largest micro-batch / sequence that "
-        "fits the layout given by parallel.*. plan.emit=DIR/study/NAME.yaml writes the top fitting "
-        "layouts as a study that harness sweep runs as it is. GPU-scale defaults as for estimate.",
+        "and last stages get a block fewer (pp* in the table; not with interleaving; "
+        "parallel.pp_layers=[...] with parallel.pp sets your own). plan.solve=min_gpus: the fewest "
+        "devices on which some layout fits; max_micro_batch / max_seq_len: the largest micro-batch / "
+        "sequence that fits the layout given by parallel.*. plan.emit=DIR/study/NAME.yaml writes the "
+        "top fitting layouts as a study that harness sweep runs as it is. GPU-scale defaults as for "
+        "estimate.",
         (*ESTIMATE_KEYS, "plan."),
         ("model", "parallel", "train", "device", "engine"),
         (

@@ -30,7 +30,7 @@ from harness.estimate.terms import (
     TERMS,
     StageEstimate,
 )
-from harness.spec import RunSpec, canonical, config_id, stage_view
+from harness.spec import RunSpec, canonical, config_id, stage_view, stage_views
 
 
 @dataclass(frozen=True)
@@ -43,9 +43,13 @@ class Estimate:
     flops_per_step: int
     flops_convention: str = FLOPS_CONVENTION
     notes: tuple[str, ...] = field(default=())
+    # Each stage's view of the spec (spec.stage_views: the spec itself unless parallel.pp_layers).
+    views: tuple[RunSpec, ...] | None = field(default=None, compare=False, repr=False)
     worst: StageEstimate = field(init=False)  # the most-loaded rank
 
     def __post_init__(self) -> None:
+        if self.views is None:
+            object.__setattr__(self, "views", stage_views(self.spec))
         # The explicit max over stages (max() keeps the first stage on ties).
         object.__setattr__(self, "worst", max(self.stages, key=lambda s: s.total_bytes))
 
@@ -65,13 +69,13 @@ class Estimate:
         cache = self.__dict__.setdefault("_reserved_cache", {})
         if stage.stage not in cache:
             cache[stage.stage] = levels.reserved_terms(
-                stage_view(self.spec, stage.stage), stage.terms, stage=stage.stage, engine=self.engine
+                self.views[stage.stage], stage.terms, stage=stage.stage, engine=self.engine
             )
         return cache[stage.stage]
 
     def reserved_terms_bound(self, stage: StageEstimate) -> int:
         """At least the sum of ``stage``'s :meth:`reserved_terms`, cheaply (levels.reserved_upper_bound)."""
-        view = stage_view(self.spec, stage.stage)
+        view = self.views[stage.stage]
         bound = levels.reserved_upper_bound(view, stage.terms, stage=stage.stage, engine=self.engine)
         return bound - stage.total_bytes
 
@@ -189,5 +193,7 @@ def estimate_canonical(
         note = "paper: closed form for the first stage; ignores " + ", ".join(IGNORED_FIELDS)
         return Estimate(spec, engine, (StageEstimate.of(0, terms),), flops, notes=(note,))
     ids = range(spec.parallel.pp) if stages is None else stages
-    # Each stage from its own blocks (spec.stage_view: the spec itself unless parallel.pp_layers).
-    return Estimate(spec, engine, tuple(stage_estimate(stage_view(spec, i), i, engine) for i in ids), flops)
+    # Each stage from its own blocks (spec.stage_views: the spec itself unless parallel.pp_layers).
+    views = stage_views(spec)
+    stages = tuple(stage_estimate(views[i], i, engine) for i in ids)
+    return Estimate(spec, engine, stages, flops, views=views)

@@ -35,6 +35,7 @@ from harness.spec.types import (
     chunk_layer_ranges,
     stage_layers,
     stage_view,
+    stage_views,
 )
 from harness.spec.validate import layout_problems, problems, type_problems
 
@@ -71,5 +72,6 @@ __all__ = [
     "spec_id",
     "stage_layers",
     "stage_view",
+    "stage_views",
     "type_problems",
 ]

@@ -213,6 +213,18 @@ def stage_view(spec: RunSpec, stage: int) -> RunSpec:
     )
 
 
+def stage_views(spec: RunSpec) -> tuple[RunSpec, ...]:
+    """:func:`stage_view` of every stage, one object per distinct block count (``plan`` estimates tens
+    of thousands of layouts; a view is two ``dataclasses.replace``)."""
+    if not spec.parallel.pp_layers:
+        return (spec,) * spec.parallel.pp
+    by_count: dict[int, RunSpec] = {}
+    for i, n in enumerate(spec.parallel.pp_layers):
+        if n not in by_count:
+            by_count[n] = stage_view(spec, i)
+    return tuple(by_count[n] for n in spec.parallel.pp_layers)
+
+
 def busiest_stage_view(spec: RunSpec) -> RunSpec:
     """:func:`stage_view` of the stage with the most blocks (the last on ties, which also runs the
     head): the stage the step-time proxy times, since the slowest stage sets a pipeline's pace."""
