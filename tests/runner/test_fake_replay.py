@@ -20,6 +20,8 @@ POINT = (
 )
 
 
+# 14 s; by default test_fake.py's gloo pipeline test and test_uneven_stages hold fake and real replays equal
+@pytest.mark.slow
 @pytest.mark.parametrize("point", [POINT], ids=["ddp-zero1-accumulation-bf16"])
 def test_fake_and_real_traces_replay_to_the_same_reserved_peak(point, tmp_path):
     records = {}

@@ -109,6 +109,7 @@ def test_rank_killed_with_sigkill(monkeypatch, no_leftovers):
     assert r["exit_code"] == -signal.SIGKILL
 
 
+@pytest.mark.slow  # 15 s; test_a_hung_rank_is_a_timeout_that_names_it covers a hung rank by default
 def test_rank_that_blocks_forever(monkeypatch, no_leftovers):
     inject(monkeypatch, lambda: time.sleep(10_000))
     start = time.monotonic()

@@ -20,7 +20,7 @@ def uneven(counts, **kw):
     return canonical(dataclasses.replace(s, parallel=dataclasses.replace(s.parallel, pp_layers=counts)))
 
 
-@pytest.mark.parametrize("counts", [(1, 3), (3, 1)])
+@pytest.mark.parametrize("counts", [(1, 3), pytest.param((3, 1), marks=pytest.mark.slow)])
 def test_each_stage_measures_what_the_engine_says_for_its_own_blocks(counts):
     s = uneven(counts)
     real = run_point(s, timeout_s=240)
