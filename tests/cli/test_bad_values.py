@@ -130,6 +130,9 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # Ctrl-C's default action, whatever this test inherited: a shell runs a background job (`cmd &`)
+        # with SIGINT ignored, and Python then keeps ignoring it (the run finished, exit 0).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     time.sleep(8)  # past the imports, into the point
     proc.send_signal(signal.SIGINT)
