@@ -70,11 +70,12 @@ def _pp_layers_problems(spec: RunSpec) -> list[str]:
         out.append(
             f"parallel.pp_layers sum {'+'.join(map(str, counts))} = {sum(counts)} ≠ num_layers {m.num_layers}"
         )
-    uneven = [f"{c} % {p.virtual_stages}" for c in counts if c % p.virtual_stages]
+    v = p.virtual_stages if p.virtual_stages >= 1 else 1  # (a virtual_stages < 1 is reported on its own)
+    uneven = [f"{c} % {v}" for c in counts if c % v]
     if uneven:
         out.append(
             f"parallel.pp_layers={shown}: each stage's blocks split evenly over its virtual_stages "
-            f"{p.virtual_stages} chunks ({', '.join(uneven)} ≠ 0)"
+            f"{v} chunks ({', '.join(uneven)} ≠ 0)"
         )
     return out
 

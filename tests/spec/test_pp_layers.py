@@ -44,6 +44,11 @@ def test_bad_counts_are_refused_with_the_arithmetic():
         InvalidSpec, match=r"split evenly over its virtual_stages 2 chunks \(1 % 2, 3 % 2 ≠ 0\)"
     ):
         canonical(interleaved)
+    zero_chunks = layers(s, (1, 3), pp_schedule="interleaved_1f1b", virtual_stages=0)
+    with pytest.raises(
+        InvalidSpec, match=r"parallel.virtual_stages=0 must be >= 1"
+    ):  # (no ZeroDivisionError)
+        canonical(zero_chunks)
     with pytest.raises(InvalidSpec, match=r"must be tuple\[int, \.\.\.\]"):
         canonical(layers(s, (1.5, 2.5)))
     # Without pp_layers, a pp that does not divide the layers says where the way out is.
