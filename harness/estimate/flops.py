@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from harness.spec import RunSpec, stage_view
+from harness.spec import RunSpec, stage_views
 
 FLOPS_CONVENTIONS = ("megatron", "megatron_causal")
 
@@ -69,7 +69,7 @@ def hardware_flops_per_step(spec: RunSpec, *, convention: str = "megatron") -> i
     model = model_flops_per_step(spec, convention=convention)
     t, m, p = spec.train, spec.model, spec.parallel
     if t.recompute == "full":
-        views = (stage_view(spec, i) for i in range(p.pp))  # each stage's own blocks (pp_layers)
+        views = stage_views(spec)  # each stage's own blocks (pp_layers)
         covered = sum(recomputed_layers(v.model, v.parallel, t) * p.virtual_stages for v in views)
         if covered >= m.num_layers:
             return (4 * model + 1) // 3

@@ -124,10 +124,11 @@ def dominant_stages(p: ParallelSpec, t: TrainSpec) -> tuple[int, ...]:
     stages = {0, min(1, pp - 1), pp - 1}
     # With uneven stages (parallel.pp_layers) the argument holds among the middle stages of one block
     # count: the first of them, and the first of them with its gradients at its peak.
-    middle = range(1, pp - 1)
-    for count in {p.pp_layers[i] for i in middle} if p.pp_layers else {None}:
-        group = [i for i in middle if count is None or p.pp_layers[i] == count]
-        stages.update(group[:1])
+    groups: dict[int | None, list[int]] = {}
+    for i in range(1, pp - 1):
+        groups.setdefault(p.pp_layers[i] if p.pp_layers else None, []).append(i)
+    for group in groups.values():
+        stages.add(group[0])
         for i in group:
             if st.torch_grads_at_peak(p, t, stage=i) == "accumulated":
                 stages.add(i)

@@ -137,9 +137,7 @@ def _trace_all(s):
 FAST = ("ddp", "fsdp_dp_tp", "pp_1f1b_dp")  # the rest (each 6-25 s here) run with -m slow
 
 
-@pytest.mark.parametrize(
-    "name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in LAYOUTS]
-)
+@pytest.mark.parametrize("name", fast_few(LAYOUTS, FAST))
 def test_every_runner_layout_is_traced(name):
     s = spec("tiny", train_seq_len=128, **LAYOUTS[name])
     row, ranks = _trace_all(s)

@@ -4,6 +4,7 @@ by explicit buckets, pipeline stages' meta shapes, and a deepcopy that stays fak
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 from harness.spec import RunSpec
@@ -197,24 +198,31 @@ def _gloo_reduce_scatter_copy(gloo: bool) -> Iterator[None]:
         _fsdp_collectives.DefaultReduceScatter.__call__ = original
 
 
-def _held_work(work, tensors):
-    """``work`` as one that keeps ``tensors`` alive as long as it lives, as gloo's works do
-    (``ProcessGroupGloo``'s send and receive works hold their tensor until destroyed). A
-    ``dist.Work`` itself, as the schedules' callers may check."""
+@functools.cache
+def _held_work_class():
+    """A ``dist.Work`` that keeps tensors alive as long as it lives and waits on the Work it wraps, as
+    gloo's works hold theirs (``ProcessGroupGloo``'s send and receive works hold their tensor until
+    destroyed). A ``dist.Work`` itself, as the schedules' callers may check. Made once: torch is
+    imported only where a trace runs."""
     import torch.distributed as dist
 
     class HeldWork(dist.distributed_c10d.Work):
-        def __init__(self) -> None:
+        def __init__(self, work, tensors) -> None:
             super().__init__()
-            self.tensors = tensors
+            self.work, self.tensors = work, tensors
 
         def wait(self, *args, **kwargs):
-            return work.wait(*args, **kwargs)
+            return self.work.wait(*args, **kwargs)
 
         def is_completed(self) -> bool:
-            return work.is_completed()
+            return self.work.is_completed()
 
-    return HeldWork()
+    return HeldWork
+
+
+def _held_work(work, tensors):
+    """``work`` as one that keeps ``tensors`` alive as long as it lives (:func:`_held_work_class`)."""
+    return _held_work_class()(work, tensors)
 
 
 @contextlib.contextmanager
