@@ -36,6 +36,7 @@ Sharding by tensor (t) and context (c) parallelism:
 from __future__ import annotations
 
 from harness.estimate.dtypes import elem_bytes, norm_elem_bytes, norm_tensors
+from harness.estimate.params import layer_params
 from harness.spec import ModelSpec, ParallelSpec, TrainSpec
 
 
@@ -278,23 +279,47 @@ def recompute_working_set(
     full_layer = layer_activation_bytes(
         m, p, t, engine=engine, recompute="none", fused_norm=fused_norm, autocast=autocast
     )
+    # Without a pipeline the recomputed blocks cast their weights again (:func:`checkpointed_casts`).
+    casts = 2 * layer_params(m, tp=p.tp) if autocast and engine == "torch" and p.pp == 1 else 0
     if t.recompute == "full":
         layers, n = m.num_layers // (p.pp * p.virtual_stages), t.recompute_every
         kept = layer_input_bytes(m, p, t, autocast=autocast)
         if t.recompute_method == "uniform":
             freed = kept if (layers > n and layers % n) else 0
-            return min(n, layers) * full_layer - kept - freed
+            return min(n, layers) * (full_layer + casts) - kept - freed
         last_checkpointed = n >= layers if t.recompute_method == "block" else layers % n == 0
-        return full_layer - kept if last_checkpointed else 0
+        return full_layer + casts - kept if last_checkpointed else 0
     if t.recompute == "op":
         return (
             full_layer
+            + casts
             - op_layer_bytes(m, p, t, autocast=autocast)
             + layer_input_bytes(m, p, t, autocast=autocast)
         )
     return full_layer - layer_activation_bytes(
         m, p, t, engine=engine, fused_norm=fused_norm, autocast=autocast
     )
+
+
+def checkpointed_casts(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast: bool) -> int:
+    """The BF16 weight casts of checkpointed blocks that are gone by the backward's peak (torch, bytes
+    per rank; :func:`states.param_copies` counts every weight's cast as kept). A checkpoint drops what
+    its matmuls would save, and torchtitan's op policy saves matmul outputs, never the casts, so only
+    autocast's cache holds them — until the autocast region ends. The runner's region is one
+    micro-batch's forward without a pipeline (``compose.train_step``: backward runs after it), so the
+    cache is cleared before backward, whose recomputation casts one block (a ``uniform`` group: N) at a
+    time again (:func:`recompute_working_set`); under a pipeline the region is the whole schedule step,
+    the cache keeps every cast through backward and the recomputations reuse them: 0 there.
+
+    Traced on real CPU runs (``tiny``, BF16 autocast): with full recomputation on one rank, the casts
+    were freed as the forward's autocast region closed, before the loss's gradient (the peak), where
+    2.4 MiB were counted (single-rank full and op points read 2.7-3.8 % over); under pp 2 with 4
+    micro-batches the first forward's casts were still alive at stage 0's peak in a recomputed block's
+    backward."""
+    if not autocast or p.pp > 1 or t.recompute not in ("full", "op"):
+        return 0
+    covered = m.num_layers // p.pp if t.recompute == "op" else recomputed_layers(m, p, t) * p.virtual_stages
+    return 2 * layer_params(m, tp=p.tp) * covered
 
 
 def backward_working_set(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
@@ -340,6 +365,42 @@ def pipeline_stage_outputs(
     that would match that double count, and it is left as it is. Interleaved 1F1B spreads a rank's
     in-flight micro-batches over its virtual stages: not counted."""
     if engine != "torch" or p.pp == 1 or p.pp_schedule == "interleaved_1f1b" or stage == p.pp - 1:
+        return 0
+    return inflight_chunks(p, t, stage=stage) * boundary_bytes(m, p, t, autocast=autocast)
+
+
+def received_input_saved(
+    m: ModelSpec,
+    p: ParallelSpec,
+    t: TrainSpec,
+    *,
+    stage: int,
+    engine: str,
+    fused_norm: bool = False,
+    autocast: bool = False,
+) -> int:
+    """What the layers count twice on a stage that receives its input (torch, 1F1B and GPipe, stage >
+    0): the first block of every in-flight micro-batch saves the receive buffer itself — a checkpoint
+    (full recomputation of the first block, torchtitan's op policy) keeps its input, and the first
+    RMSNorm keeps its input when it needs no cast (:func:`dtypes.norm_elem_bytes` equal to the
+    boundary's element size: FP32 boundaries under autocast or FP32, CUDA's fused kernel) — and
+    :func:`buffers.pp_p2p` counts that buffer already. On the CPU without autocast the composite norm
+    keeps an FP32 upcast of the BF16 buffer instead: nothing counted twice there.
+
+    Traced on a real CPU run (``tiny``, pp 4, 4 micro-batches, BF16 autocast): stage 1's peak held 13
+    FP32 (s, h) tensors besides its receive buffers where the layers counted 16, one per in-flight
+    micro-batch; GPipe's middle stages, with every micro-batch in flight, read 3-4 % over. Interleaved
+    1F1B (whose rank 0 holds chunks that receive and chunks that do not) is left as it is."""
+    if engine != "torch" or stage == 0 or p.pp == 1 or p.pp_schedule == "interleaved_1f1b":
+        return 0
+    if t.recompute == "full":
+        first_checkpointed = t.recompute_method != "every" or t.recompute_every == 1
+    else:
+        first_checkpointed = t.recompute == "op"
+    same_dtype = norm_elem_bytes(t, engine=engine, fused_norm=fused_norm, autocast=autocast) == (
+        4 if autocast else elem_bytes(t.precision)
+    )
+    if not (first_checkpointed or same_dtype):
         return 0
     return inflight_chunks(p, t, stage=stage) * boundary_bytes(m, p, t, autocast=autocast)
 

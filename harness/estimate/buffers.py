@@ -153,14 +153,23 @@ def tp_allgather(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast: bool 
 
 
 def pp_p2p(
-    m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: str, autocast: bool = False
+    m: ModelSpec,
+    p: ParallelSpec,
+    t: TrainSpec,
+    *,
+    stage: int,
+    engine: str,
+    autocast: bool = False,
+    gloo: bool = False,
 ) -> int:
     """Pipeline receive buffers of one stage-boundary activation (s·b·h/(t·c) with SP, /c without).
 
     torch: ``torch.distributed.pipelining`` allocates a forward receive buffer per micro-batch (all
     stages but the first) and a gradient receive buffer per micro-batch (all but the last), for every
-    virtual stage, once, and keeps them; interleaved 1F1B also keeps what it has sent
-    (:func:`interleaved_sends_kept`). megatron: one buffer per direction, reused.
+    virtual stage, once, and keeps them; 1F1B and interleaved 1F1B also keep some of what they have
+    sent (:func:`one_f_one_b_sends_kept`, :func:`interleaved_sends_kept`). megatron: one buffer per
+    direction, reused. ``gloo``: the ranks talk over gloo (``device=cpu``), whose works hold their
+    tensors.
     """
     if p.pp == 1:
         return 0
@@ -173,7 +182,36 @@ def pp_p2p(
     last = p.pp * p.virtual_stages - 1
     ids = [stage + k * p.pp for k in range(p.virtual_stages)]
     received = one * t.num_microbatches * sum((g > 0) + (g < last) for g in ids)
-    return received + interleaved_sends_kept(p, t, stage=stage) * one
+    kept = interleaved_sends_kept(p, t, stage=stage) + one_f_one_b_sends_kept(p, t, stage=stage, gloo=gloo)
+    return received + kept * one
+
+
+def one_f_one_b_sends_kept(p: ParallelSpec, t: TrainSpec, *, stage: int, gloo: bool) -> int:
+    """Boundary tensors that torch's 1F1B keeps alive at the stage's peak only because it has sent
+    them (torch 2.13 ``Schedule1F1B._step_microbatches``), beyond the forward cache's in-flight
+    outputs (:func:`activations.pipeline_stage_outputs`):
+
+    - the gradient sent back by the previous backward: ``bwd_sends``, the list of ``P2POp`` objects
+      that hold it, is rebound only after the next backward has run, so backward k ≥ 1 starts with
+      backward k − 1's input gradient alive — on every stage but the first, whatever the backend, once
+      a backward runs with the warm-up's W = min(m, pp − stage) micro-batches still in flight (m > W);
+    - over gloo, whose works hold their tensors (runner/fake/modes.py ``_gloo_works_hold_tensors``),
+      the warm-up's last fired forward send: ``send_work`` keeps the work of micro-batch W − 2's output
+      through the whole steady state, after its backward has dropped it from the cache; it counts at a
+      peak with W still in flight when m ≥ 2W − 1. NCCL's works are not counted (the fake GPU group's
+      hold nothing; see docs).
+
+    Traced on a real CPU run (``small3``, pp 3, dp 2, 3 micro-batches, BF16, s 768), stage 1's peak at
+    its second backward held exactly two BF16 (s, h) tensors the estimate lacked: micro-batch 0's output
+    and its input gradient (2.8 % under before). GPipe drops nothing before its peak, the first
+    backward, with every micro-batch in flight: 0 there."""
+    if p.pp == 1 or p.pp_schedule != "1f1b":
+        return 0
+    m = t.num_microbatches
+    warmup = min(m, p.pp - stage)
+    grad = stage > 0 and m > warmup
+    output = gloo and warmup >= 2 and m >= 2 * warmup - 1
+    return int(grad) + int(output)
 
 
 def interleaved_sends_kept(p: ParallelSpec, t: TrainSpec, *, stage: int) -> int:

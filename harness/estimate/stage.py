@@ -10,7 +10,11 @@ from harness.estimate import buffers as buf
 from harness.estimate import states as st
 from harness.estimate.dtypes import torch_autocast
 from harness.estimate.params import largest_param, stage_params
-from harness.estimate.peaks import fsdp_last_stage_peaks, replicated_embedding_grad
+from harness.estimate.peaks import (
+    fsdp_last_stage_peaks,
+    replicated_embedding_grad,
+    sequence_parallel_forward_end,
+)
 from harness.estimate.terms import BUFFER_TERMS, STATE_TERMS, STEP_TERMS, StageEstimate
 from harness.spec import ModelSpec, ParallelSpec, RunSpec, TrainSpec
 
@@ -99,7 +103,7 @@ def _activation_terms(
     m: ModelSpec, t: TrainSpec, stage: int, engine: str, layout: tuple
 ) -> tuple[Items, int]:
     """(items, their sum: all are forward/backward terms)."""
-    tp, pp, cp, sp, schedule, v, balance, fused_norm, autocast = layout
+    tp, pp, cp, sp, schedule, v, balance, fused_norm, gloo, autocast = layout
     # Activations depend on neither dp nor the ZeRO stage: they are not part of the key.
     p = ParallelSpec(
         dp=1,
@@ -128,6 +132,9 @@ def _activation_terms(
         # A block's backward gradients: a peak of their own where no loss buffers come first.
         activations += max(0, act.backward_working_set(m, p, t) - logits - loss)
         activations += act.pipeline_stage_outputs(m, p, t, stage=stage, engine=engine, autocast=autocast)
+        activations -= act.received_input_saved(
+            m, p, t, stage=stage, engine=engine, fused_norm=fused_norm, autocast=autocast
+        )
     items = (
         ("activations", activations),
         ("token_ids", act.token_ids(p, t, stage=stage, engine=engine)),
@@ -139,7 +146,7 @@ def _activation_terms(
         ),
         ("logits", logits),
         ("tp_allgather", buf.tp_allgather(m, p, t, autocast=autocast)),
-        ("pp_p2p", buf.pp_p2p(m, p, t, stage=stage, engine=engine, autocast=autocast)),
+        ("pp_p2p", buf.pp_p2p(m, p, t, stage=stage, engine=engine, autocast=autocast, gloo=gloo)),
         ("cp_kv_allgather", buf.cp_kv_allgather(m, p, t, engine=engine)),
         ("loss", loss),
     )
@@ -164,10 +171,25 @@ def stage_estimate(spec: RunSpec, stage: int, engine: str) -> StageEstimate:
         p.virtual_stages,
         p.cp_load_balance,
         fused_norm,
+        spec.device.name == "cpu",  # gloo's works hold their tensors (buffers.one_f_one_b_sends_kept)
         engine == "torch" and torch_autocast(p, t),
     )
     a_items, activations = _activation_terms(m, t, stage, engine, layout)
     terms = dict(s_items + a_items)
+    if engine == "torch" and layout[-1]:
+        casts = act.checkpointed_casts(m, p, t, autocast=True)
+        terms["param_copies"] -= casts
+        buffers -= casts
+    if engine == "torch":
+        tables = st.rotary_tables(
+            m.num_layers // p.pp, seq_len=t.seq_len, cp=p.cp, head_dim=m.hidden_size // m.num_heads
+        )
+        terms["params"] += tables
+        states += tables
+    if engine == "torch" and p.tp > 1 and p.sequence_parallel and stage < p.pp - 1:
+        buffers = sequence_parallel_forward_end(
+            spec, stage, terms, buffers, autocast=layout[-1], gloo=spec.device.name == "cpu"
+        )
     if engine == "torch" and p.zero_stage == 3 and p.dp * p.cp > 1 and stage == p.pp - 1:
         buffers = fsdp_last_stage_peaks(spec, stage, terms, buffers, activations)
     if (

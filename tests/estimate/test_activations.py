@@ -267,8 +267,11 @@ def test_torch_pipeline_receive_buffers_per_virtual_stage():
     one = 131_072
     s = replace(spec("tiny", **BASE), parallel_pp=2, train_num_microbatches=8)
     m, p, t = s.model, s.parallel, s.train
-    # 1F1B: each rank receives from its one neighbour; megatron reuses one buffer per direction.
-    assert [buf.pp_p2p(m, p, t, stage=i, engine="torch") for i in (0, 1)] == [8 * one, 8 * one]
+    # 1F1B: each rank receives from its one neighbour, and the last keeps the gradient it sent back
+    # during the next backward (one_f_one_b_sends_kept); megatron reuses one buffer per direction.
+    assert [buf.pp_p2p(m, p, t, stage=i, engine="torch") for i in (0, 1)] == [8 * one, 9 * one]
+    # Over gloo stage 0's warm-up send (W = 2, m = 8 ≥ 3) stays held by its work too.
+    assert buf.pp_p2p(m, p, t, stage=0, engine="torch", gloo=True) == 9 * one
     assert buf.pp_p2p(m, p, t, stage=0, engine="megatron") == one
     # Interleaved, v = 2: rank 0 holds stages 0 (gradients in) and 2 (activations and gradients in),
     # rank 1 stages 1 and 3 (the last: activations in): 3 per micro-batch on both (measured on the
@@ -377,3 +380,71 @@ def test_megatron_block_method_checkpoints_the_first_blocks():
     assert _stage(replace(s, train_recompute_method="every")) == 262_144 + 3 * TORCH_LAYER - 131_072
     # megatron: 262,144 + 2 · 2,359,296 = 4,980,736.
     assert _stage(s, "megatron") == 4_980_736
+
+
+@pytest.mark.parametrize(
+    "model, pp, m, gloo, kept",
+    [
+        # W = min(m, pp − stage): the gradient sent back is kept on stages > 0 when m > W; over gloo the
+        # warm-up's send of micro-batch W − 2 when W ≥ 2 and m ≥ 2W − 1.
+        ("small3", 3, 3, True, [0, 2, 1]),  # W = 3, 2, 1: stage 0 m < 5; stage 1 both; stage 2 the gradient
+        ("small3", 3, 3, False, [0, 1, 1]),
+        ("tiny", 2, 2, True, [0, 1]),  # W = 2, 1: m = 2 < 3 on stage 0; stage 1 m > 1
+        ("tiny", 4, 8, True, [1, 2, 2, 1]),  # W = 4, 3, 2, 1
+    ],
+)
+def test_one_f_one_b_keeps_what_it_sent(model, pp, m, gloo, kept):
+    s = spec(model, parallel_pp=pp, train_num_microbatches=m)
+    got = [buf.one_f_one_b_sends_kept(s.parallel, s.train, stage=i, gloo=gloo) for i in range(pp)]
+    assert got == kept
+    gpipe = replace(s, parallel_pp_schedule="gpipe")  # its peak is the first backward: nothing dropped yet
+    assert [
+        buf.one_f_one_b_sends_kept(gpipe.parallel, gpipe.train, stage=i, gloo=gloo) for i in range(pp)
+    ] == [0] * pp
+
+
+def test_a_stage_first_block_saves_its_receive_buffer_when_nothing_casts_it():
+    # tiny, s 256, b 2, pp 2, 2 micro-batches: a boundary is s·b·h = 65,536 elements; stage 1 holds one
+    # micro-batch in flight (1F1B: min(pp − 1, m)).
+    s = spec("tiny", **BASE, parallel_pp=2, train_num_microbatches=2)
+    m, p, t = s.model, s.parallel, s.train
+    fp32 = replace(s, train_precision="fp32").train
+    # FP32: the composite norm keeps its FP32 input, the buffer itself; stage 0 receives nothing.
+    assert [act.received_input_saved(m, p, fp32, stage=i, engine="torch") for i in (0, 1)] == [0, 4 * 65_536]
+    # BF16 under autocast: FP32 boundaries and an FP32 norm input: the same.
+    assert act.received_input_saved(m, p, t, stage=1, engine="torch", autocast=True) == 4 * 65_536
+    # BF16 without autocast (FSDP2, replicate) on the CPU: the norm upcasts a copy; CUDA's fused norm
+    # keeps the BF16 buffer.
+    assert act.received_input_saved(m, p, t, stage=1, engine="torch") == 0
+    assert act.received_input_saved(m, p, t, stage=1, engine="torch", fused_norm=True) == 2 * 65_536
+    # Full recomputation's checkpoint keeps the block's input whatever the dtypes; every 2nd block
+    # leaves the first block alone, and its norm rule applies.
+    full = replace(s, train_recompute="full").train
+    assert act.received_input_saved(m, p, full, stage=1, engine="torch") == 2 * 65_536
+    every2 = replace(s, train_recompute="full", train_recompute_every=2).train
+    assert act.received_input_saved(m, p, every2, stage=1, engine="torch") == 0
+    assert act.received_input_saved(m, p, t, stage=1, engine="megatron", autocast=True) == 0
+
+
+def test_rotary_tables_and_checkpointed_casts():
+    from harness.estimate import estimate
+    from harness.estimate import states as st
+    from harness.estimate.params import layer_params, stage_params
+
+    # Every attention keeps FP32 cos and sin of (s/c) × head_dim: tiny (head_dim 32), s 256, 4 layers.
+    assert st.rotary_tables(4, seq_len=256, cp=1, head_dim=32) == 4 * 2 * 4 * 256 * 32
+    assert st.rotary_tables(4, seq_len=256, cp=2, head_dim=32) == 4 * 2 * 4 * 128 * 32
+    s = spec("tiny", **BASE, train_precision="bf16", train_recompute="full")
+    m, p, t = s.model, s.parallel, s.train
+    terms = estimate(s, engine="torch").worst.terms
+    assert terms["params"] == 4 * stage_params(m, stage=0, pp=1) + st.rotary_tables(
+        4, seq_len=256, cp=1, head_dim=32
+    )
+    # One rank, BF16 autocast: the cache is cleared before backward, so every checkpointed block's casts
+    # are gone (2 B per parameter of its 4 layers); under a pipeline they stay (0).
+    assert act.checkpointed_casts(m, p, t, autocast=True) == 2 * 4 * layer_params(m)
+    pp2 = replace(s, parallel_pp=2, train_num_microbatches=2)
+    assert act.checkpointed_casts(m, pp2.parallel, pp2.train, autocast=True) == 0
+    assert act.checkpointed_casts(m, p, replace(s, train_recompute="none").train, autocast=True) == 0
+    none = estimate(replace(s, train_recompute="none"), engine="torch").worst.terms
+    assert none["param_copies"] - terms["param_copies"] == 2 * 4 * layer_params(m)

@@ -13,7 +13,10 @@ MIB = 2**20
 
 # What each row of the estimate table holds (explain=true prints it under the table).
 TERM_MEANINGS = {
-    "params": "the rank's weights as stored (its shard under ZeRO-3/FSDP, its tp/pp slice)",
+    "params": (
+        "the rank's weights as stored (its shard under ZeRO-3/FSDP, its tp/pp slice);"
+        " torch: and each layer's rotary tables"
+    ),
     "grads": "gradients alive at the forward/backward peak",
     "optimizer": "AdamW state (two moments, and FP32 master weights where the engine keeps them)",
     "activations": "what the layers save for backward, for every micro-batch in flight",
