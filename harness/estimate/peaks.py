@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from harness.estimate import activations as act
 from harness.estimate import buffers as buf
+from harness.estimate import pipeline as pipe
 from harness.estimate import states as st
 from harness.estimate.dtypes import elem_bytes
 from harness.spec import ParallelSpec, RunSpec, TrainSpec
@@ -96,7 +97,7 @@ def sequence_parallel_forward_end(
     e = elem_bytes(t.precision)
     full = e * t.seq_len * t.micro_batch_size * m.hidden_size // p.cp
     working = full * (3 if gloo else 1) + full // p.tp
-    instead = act.backward_working_set(m, p, t) + act.boundary_bytes(m, p, t, autocast=autocast)
+    instead = act.backward_working_set(m, p, t) + pipe.boundary_bytes(m, p, t, autocast=autocast)
     more = max(0, working - instead)
     terms["tp_allgather"] += more
     return buffers + more
@@ -144,7 +145,7 @@ def dominant_stages(p: ParallelSpec, t: TrainSpec) -> tuple[int, ...]:
     pp = p.pp
     if p.pp_schedule == "interleaved_1f1b" and p.virtual_stages > 1:
         # Interleaved 1F1B keeps the sends of a rank's finished backwards until the step ends, more of
-        # them the later the rank (buffers.interleaved_sends_kept): no few stages bound the rest.
+        # them the later the rank (pipeline.interleaved_sends_kept): no few stages bound the rest.
         return tuple(range(pp))
     stages = {0, min(1, pp - 1), pp - 1}
     # With uneven stages (parallel.pp_layers) the argument holds among the middle stages of one block

@@ -7,6 +7,7 @@ from functools import lru_cache
 
 from harness.estimate import activations as act
 from harness.estimate import buffers as buf
+from harness.estimate import pipeline as pipe
 from harness.estimate import states as st
 from harness.estimate.dtypes import torch_autocast
 from harness.estimate.params import largest_param, stage_params
@@ -131,8 +132,8 @@ def _activation_terms(
     if engine == "torch":
         # A block's backward gradients: a peak of their own where no loss buffers come first.
         activations += max(0, act.backward_working_set(m, p, t) - logits - loss)
-        activations += act.pipeline_stage_outputs(m, p, t, stage=stage, engine=engine, autocast=autocast)
-        activations -= act.received_input_saved(
+        activations += pipe.pipeline_stage_outputs(m, p, t, stage=stage, engine=engine, autocast=autocast)
+        activations -= pipe.received_input_saved(
             m, p, t, stage=stage, engine=engine, fused_norm=fused_norm, autocast=autocast
         )
     items = (
@@ -146,7 +147,7 @@ def _activation_terms(
         ),
         ("logits", logits),
         ("tp_allgather", buf.tp_allgather(m, p, t, autocast=autocast)),
-        ("pp_p2p", buf.pp_p2p(m, p, t, stage=stage, engine=engine, autocast=autocast, gloo=gloo)),
+        ("pp_p2p", pipe.pp_p2p(m, p, t, stage=stage, engine=engine, autocast=autocast, gloo=gloo)),
         ("cp_kv_allgather", buf.cp_kv_allgather(m, p, t, engine=engine)),
         ("loss", loss),
     )
@@ -171,7 +172,7 @@ def stage_estimate(spec: RunSpec, stage: int, engine: str) -> StageEstimate:
         p.virtual_stages,
         p.cp_load_balance,
         fused_norm,
-        spec.device.name == "cpu",  # gloo's works hold their tensors (buffers.one_f_one_b_sends_kept)
+        spec.device.name == "cpu",  # gloo's works hold their tensors (pipeline.one_f_one_b_sends_kept)
         engine == "torch" and torch_autocast(p, t),
     )
     a_items, activations = _activation_terms(m, t, stage, engine, layout)

@@ -11,6 +11,7 @@ from conftest import in_fresh_process, replace, spec
 
 from harness.estimate import activations as act
 from harness.estimate import buffers as buf
+from harness.estimate import pipeline as pipe
 from harness.estimate.dtypes import torch_autocast
 
 BASE = dict(train_seq_len=256, train_micro_batch_size=2)
@@ -233,12 +234,12 @@ def test_torch_pipeline_first_stage_keeps_each_inflight_stage_output(precision):
     _, traced4, est4 = both(4)
     autocast = torch_autocast(s.parallel, s.train)
     assert autocast == (precision == "bf16")
-    one = act.boundary_bytes(s.model, s.parallel, s.train, autocast=autocast)
+    one = pipe.boundary_bytes(s.model, s.parallel, s.train, autocast=autocast)
     assert one == 4 * 512 * 4 * 128  # FP32: the model in FP32, or the residual stream under autocast
     m, p, t = s.model, s.parallel, s.train
-    assert act.pipeline_stage_outputs(m, p, t, stage=0, engine="torch", autocast=autocast) == 2 * one
-    assert act.pipeline_stage_outputs(m, p, t, stage=1, engine="torch", autocast=autocast) == 0
-    assert act.pipeline_stage_outputs(m, p, t, stage=0, engine="megatron", autocast=autocast) == 0
+    assert pipe.pipeline_stage_outputs(m, p, t, stage=0, engine="torch", autocast=autocast) == 2 * one
+    assert pipe.pipeline_stage_outputs(m, p, t, stage=1, engine="torch", autocast=autocast) == 0
+    assert pipe.pipeline_stage_outputs(m, p, t, stage=0, engine="megatron", autocast=autocast) == 0
     grown_traced, grown_engine = traced4 - traced2, est4.total_bytes - est2.total_bytes
     assert abs(grown_engine / grown_traced - 1) < 0.01, (grown_engine, grown_traced)
     assert abs((grown_engine - 2 * one) / grown_traced - 1) > 0.01  # what the engine said before
@@ -269,10 +270,10 @@ def test_torch_pipeline_receive_buffers_per_virtual_stage():
     m, p, t = s.model, s.parallel, s.train
     # 1F1B: each rank receives from its one neighbour, and the last keeps the gradient it sent back
     # during the next backward (one_f_one_b_sends_kept); megatron reuses one buffer per direction.
-    assert [buf.pp_p2p(m, p, t, stage=i, engine="torch") for i in (0, 1)] == [8 * one, 9 * one]
+    assert [pipe.pp_p2p(m, p, t, stage=i, engine="torch") for i in (0, 1)] == [8 * one, 9 * one]
     # Over gloo stage 0's warm-up send (W = 2, m = 8 ≥ 3) stays held by its work too.
-    assert buf.pp_p2p(m, p, t, stage=0, engine="torch", gloo=True) == 9 * one
-    assert buf.pp_p2p(m, p, t, stage=0, engine="megatron") == one
+    assert pipe.pp_p2p(m, p, t, stage=0, engine="torch", gloo=True) == 9 * one
+    assert pipe.pp_p2p(m, p, t, stage=0, engine="megatron") == one
     # Interleaved, v = 2: rank 0 holds stages 0 (gradients in) and 2 (activations and gradients in),
     # rank 1 stages 1 and 3 (the last: activations in): 3 per micro-batch on both (measured on the
     # runner: 24 buffers of s·b·h for 8 micro-batches on each rank).
@@ -282,11 +283,11 @@ def test_torch_pipeline_receive_buffers_per_virtual_stage():
     # rank 0's warm-up (2 − 1)·2 + 2·1 = 4, so 16 − 4 − 1 = 11 backwards done, over chunks 0 (1 kept
     # each: its activation send) and 2 (2: activation and gradient): 11·3//2 = 16; rank 1's warm-up
     # 2, 13 done over chunks 1 (2) and 3 (1, the gradient): 13·3//2 = 19.
-    assert [buf.interleaved_sends_kept(p, t, stage=i) for i in (0, 1)] == [16, 19]
-    assert [buf.pp_p2p(m, p, t, stage=i, engine="torch") for i in (0, 1)] == [40 * one, 43 * one]
+    assert [pipe.interleaved_sends_kept(p, t, stage=i) for i in (0, 1)] == [16, 19]
+    assert [pipe.pp_p2p(m, p, t, stage=i, engine="torch") for i in (0, 1)] == [40 * one, 43 * one]
     # Plain 1F1B waits on each send as it goes: nothing kept.
     assert (
-        buf.interleaved_sends_kept(
+        pipe.interleaved_sends_kept(
             replace(s, parallel_pp_schedule="1f1b", parallel_virtual_stages=1).parallel, t, stage=0
         )
         == 0
@@ -395,11 +396,11 @@ def test_megatron_block_method_checkpoints_the_first_blocks():
 )
 def test_one_f_one_b_keeps_what_it_sent(model, pp, m, gloo, kept):
     s = spec(model, parallel_pp=pp, train_num_microbatches=m)
-    got = [buf.one_f_one_b_sends_kept(s.parallel, s.train, stage=i, gloo=gloo) for i in range(pp)]
+    got = [pipe.one_f_one_b_sends_kept(s.parallel, s.train, stage=i, gloo=gloo) for i in range(pp)]
     assert got == kept
     gpipe = replace(s, parallel_pp_schedule="gpipe")  # its peak is the first backward: nothing dropped yet
     assert [
-        buf.one_f_one_b_sends_kept(gpipe.parallel, gpipe.train, stage=i, gloo=gloo) for i in range(pp)
+        pipe.one_f_one_b_sends_kept(gpipe.parallel, gpipe.train, stage=i, gloo=gloo) for i in range(pp)
     ] == [0] * pp
 
 
@@ -410,20 +411,20 @@ def test_a_stage_first_block_saves_its_receive_buffer_when_nothing_casts_it():
     m, p, t = s.model, s.parallel, s.train
     fp32 = replace(s, train_precision="fp32").train
     # FP32: the composite norm keeps its FP32 input, the buffer itself; stage 0 receives nothing.
-    assert [act.received_input_saved(m, p, fp32, stage=i, engine="torch") for i in (0, 1)] == [0, 4 * 65_536]
+    assert [pipe.received_input_saved(m, p, fp32, stage=i, engine="torch") for i in (0, 1)] == [0, 4 * 65_536]
     # BF16 under autocast: FP32 boundaries and an FP32 norm input: the same.
-    assert act.received_input_saved(m, p, t, stage=1, engine="torch", autocast=True) == 4 * 65_536
+    assert pipe.received_input_saved(m, p, t, stage=1, engine="torch", autocast=True) == 4 * 65_536
     # BF16 without autocast (FSDP2, replicate) on the CPU: the norm upcasts a copy; CUDA's fused norm
     # keeps the BF16 buffer.
-    assert act.received_input_saved(m, p, t, stage=1, engine="torch") == 0
-    assert act.received_input_saved(m, p, t, stage=1, engine="torch", fused_norm=True) == 2 * 65_536
+    assert pipe.received_input_saved(m, p, t, stage=1, engine="torch") == 0
+    assert pipe.received_input_saved(m, p, t, stage=1, engine="torch", fused_norm=True) == 2 * 65_536
     # Full recomputation's checkpoint keeps the block's input whatever the dtypes; every 2nd block
     # leaves the first block alone, and its norm rule applies.
     full = replace(s, train_recompute="full").train
-    assert act.received_input_saved(m, p, full, stage=1, engine="torch") == 2 * 65_536
+    assert pipe.received_input_saved(m, p, full, stage=1, engine="torch") == 2 * 65_536
     every2 = replace(s, train_recompute="full", train_recompute_every=2).train
-    assert act.received_input_saved(m, p, every2, stage=1, engine="torch") == 0
-    assert act.received_input_saved(m, p, t, stage=1, engine="megatron", autocast=True) == 0
+    assert pipe.received_input_saved(m, p, every2, stage=1, engine="torch") == 0
+    assert pipe.received_input_saved(m, p, t, stage=1, engine="megatron", autocast=True) == 0
 
 
 def test_rotary_tables_and_checkpointed_casts():

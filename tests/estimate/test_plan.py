@@ -68,7 +68,7 @@ def test_bad_options_are_refused(kw, message):
 
 def test_interleaved_middle_ranks_can_be_the_most_loaded_and_plan_computes_them():
     """Interleaved 1F1B keeps a rank's sent tensors until the step ends, more the later the rank
-    (buffers.interleaved_sends_kept), so a middle rank can hold the most: Llama-2-7B, pp 8 × v 2, 32
+    (pipeline.interleaved_sends_kept), so a middle rank can hold the most: Llama-2-7B, pp 8 × v 2, 32
     micro-batches of s 4096, full recomputation, has its worst rank in the middle (rank 1 since the
     checkpoints' inputs are counted FP32 under autocast; rank 6 before). ``plan``'s few dominant
     stages missed it (a hypothesis example found it: 31.4 GB against 32.0 GB); interleaved layouts

@@ -8,8 +8,8 @@ by the tensors torch saves, and the real runs that read 6-16 % above the engine 
 - the rotary tables cast to BF16 in every layer (act.rope_table_bytes).
 
 and every stage of a pipeline (issue 30 item 3): what 1F1B keeps of what it sent
-(buffers.one_f_one_b_sends_kept), the receive buffer a stage's first block saves and pp_p2p counts
-too (act.received_input_saved), the runner's per-layer rotary tables (states.rotary_tables), the casts
+(pipeline.one_f_one_b_sends_kept), the receive buffer a stage's first block saves and pp_p2p counts
+too (pipe.received_input_saved), the runner's per-layer rotary tables (states.rotary_tables), the casts
 a checkpointed block leaves to autocast's cache (act.checkpointed_casts) and the forward's end under
 sequence parallelism (peaks.sequence_parallel_forward_end).
 """

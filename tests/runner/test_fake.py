@@ -80,7 +80,8 @@ def test_harness_run_fake_prints_a_normal_row():
     assert out.returncode == 0, out.stderr
     row = json.loads(out.stdout)
     assert (row["status"], row["memory_method"], row["fake_traced_ranks"]) == ("ok", MEMORY_METHOD, [0])
-    assert row["mem_params_bytes"] == row["est_params_bytes"]  # FSDP: the FP32 shard, 4 B × n / 2
+    # FSDP: the FP32 shard, 4 B × n / 2; the engine counts the rotary tables (buffers) with params.
+    assert row["mem_params_bytes"] + row["mem_buffers_bytes"] == row["est_params_bytes"]
     assert "step_time_s" not in row
     # The traced storages, replayed through the caching-allocator model, as a real CPU run's are: the
     # same requests rounded to 512 B (within 1 % of MemTracker's peak), in segments that hold them.

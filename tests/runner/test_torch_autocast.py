@@ -120,10 +120,11 @@ def test_autocast_is_where_the_runner_uses_it():
 
 def test_autocast_boundary_buffers_are_fp32():
     # The stages exchange the FP32 residual stream, and SP's gathered-input gradient is FP32:
-    # s·b·h/t = 16,384 elements × 4 B per receive buffer; 4 micro-batches, one neighbour: 262,144 B;
-    # the all-gather s·b·h = 32,768 × 4 B = 131,072 B (BF16 without autocast: half of each).
+    # s·b·h/t = 16,384 elements × 4 B per receive buffer; 4 micro-batches, one neighbour: 262,144 B,
+    # and over gloo the warm-up's send of micro-batch 0 that 1F1B keeps (pipeline.one_f_one_b_sends_kept):
+    # 327,680 B; the all-gather s·b·h = 32,768 × 4 B = 131,072 B (BF16 without autocast: half of each).
     terms = estimate(_tp_pp()).stages[0].terms
-    assert terms["pp_p2p"] == 262_144
+    assert terms["pp_p2p"] == 327_680
     assert terms["tp_allgather"] == 131_072
 
 

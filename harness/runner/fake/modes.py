@@ -232,7 +232,7 @@ def _gloo_works_hold_tensors(gloo: bool) -> Iterator[None]:
     the schedule keeps its Work — which torch's 1F1B does across the steady state (``send_work`` of the
     first warm-up forward is replaced only after the 1B1F loop, torch 2.13
     ``Schedule1F1B._step_microbatches``) and interleaved 1F1B until the step ends
-    (``buffers.interleaved_sends_kept``). A CPU trace freed stage 0's first stage output at its
+    (``pipeline.interleaved_sends_kept``). A CPU trace freed stage 0's first stage output at its
     backward, where the real run keeps it (``tiny``, pp 2, FP32: 128 KiB of 26.6 MiB below the real
     peak; interleaved, BF16, 8 micro-batches: 9 % below). NCCL's works are left as the fake group
     makes them (GPU presets)."""
