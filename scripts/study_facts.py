@@ -48,7 +48,7 @@ def main() -> None:
         f"under-prediction: {(under <= 0.02).mean():.1%} of {int(m.sum())} measured runs within 2 %, "
         f"{(under > 0.05).sum()} worse than 5 %, worst {under.max():.1%}"
     )
-    from harness.analysis.stages import stage_errors, summary
+    from harness.analysis.stages import partition_errors, stage_errors, summary
 
     print("every pipeline stage (its most-loaded rank against the torch engine's stage figure):")
     for r in summary(stage_errors(data)):
@@ -56,6 +56,14 @@ def main() -> None:
             f"  {r['position']:<6} {r['stages']:4d} stages: median {r['median']:+.2%}, p95 |err| "
             f"{r['p95_abs']:.2%}, worst under {r['worst_under']:.2%}, within 2 % under "
             f"{r['within_2pct_under']:.1%}"
+        )
+    partitions = partition_errors(data)
+    if len(partitions):
+        r = summary(partitions)[0]
+        print(
+            "every ZeRO-1 partition (each rank against the engine's figure for its partition): "
+            f"{r['stages']} ranks, median {r['median']:+.2%}, p95 |err| {r['p95_abs']:.2%}, worst under "
+            f"{r['worst_under']:.2%}, within 2 % under {r['within_2pct_under']:.1%}"
         )
     if "sim_peak_reserved_bytes" in data.frame:
         sim = data.frame["sim_peak_reserved_bytes"].to_numpy(dtype=float)

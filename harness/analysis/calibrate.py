@@ -13,6 +13,7 @@ No torch here; scikit-learn for the regression and the grouped folds.
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ from harness.analysis.profile import (
     fitted_on,
     peak_terms,
 )
+from harness.analysis.stages import partition_errors, stage_errors
+from harness.analysis.stages import summary as stage_summary
 from harness.estimate import TERMS, estimate, levels
 from harness.spec import InvalidSpec, RunSpec, from_flat
 
@@ -208,6 +211,31 @@ class Evaluation:
     model: MemoryCalibrator  # fitted on every measured run: the profile
     fold_coefs: np.ndarray  # (folds, features): the spread of coefficients across folds
     fragmentation: dict[str, float] | None
+    fold_models: list[MemoryCalibrator] = field(default_factory=list)  # one per fold
+    fold_of: np.ndarray | None = None  # run -> the fold whose model never saw it
+
+    def held_out(self, run: int, terms: dict[str, int]) -> float:
+        """The calibrated estimate of one stage's ``terms`` of run ``run`` by the model that never saw
+        the run's group (every pipeline stage, every ZeRO-1 partition is judged held out as the runs are)."""
+        row = np.array([peak_terms(terms)[k] for k in self.fold_models[0].features], dtype=float)[None, :]
+        return float(self.fold_models[int(self.fold_of[run])].predict(row)[0])
+
+    @functools.cached_property
+    def stage_metrics(self) -> dict[str, Any]:
+        """Every pipeline stage and every ZeRO-1 partition (harness/analysis/stages.py), the raw engine's
+        figure and the calibrated one held out: ``{"stages"|"partitions": {"raw"|"calibrated":
+        summary}}``, empty where the runs have neither."""
+        out: dict[str, Any] = {}
+        for name, errors in (
+            ("stages", stage_errors(self.data, engine=self.engine, predict=self.held_out)),
+            ("partitions", partition_errors(self.data, engine=self.engine, predict=self.held_out)),
+        ):
+            if len(errors):
+                out[name] = {
+                    "raw": stage_summary(errors)[-1],
+                    "calibrated": stage_summary(errors, "calibrated_error")[-1],
+                }
+        return out
 
 
 def evaluate(frame: pd.DataFrame, *, engine: str = "torch", group_by: str = "world") -> Evaluation:
@@ -228,11 +256,13 @@ def evaluate(frame: pd.DataFrame, *, engine: str = "torch", group_by: str = "wor
             "can be held out; choose another grouping"
         )
     held_out = np.full(len(y), np.nan)
-    coefs = []
-    for train, test in GroupKFold(n_splits=min(5, n_groups)).split(X, y, groups):
+    coefs, models, fold_of = [], [], np.full(len(y), -1)
+    for k, (train, test) in enumerate(GroupKFold(n_splits=min(5, n_groups)).split(X, y, groups)):
         fit_rows = train[measured[train]]
         model = MemoryCalibrator().fit(X.iloc[fit_rows], y[fit_rows])
         coefs.append(model.coef_)
+        models.append(model)
+        fold_of[test] = k
         # a group with no measured run (all real OOMs) is predicted by the folds that hold it out
         held_out[test] = model.predict(X.iloc[test])
     unseen = np.isnan(held_out)  # groups that GroupKFold never held out (cannot happen with >=2 groups)
@@ -255,7 +285,9 @@ def evaluate(frame: pd.DataFrame, *, engine: str = "torch", group_by: str = "wor
     if reserved is not None:
         fragmentation = reserved.model.as_profile(target=reserved.target, metrics=reserved.metrics)
         predictions["calibrated_reserved"] = reserved.predicted
-    return Evaluation(data, engine, group_by, predictions, metrics, final, np.array(coefs), fragmentation)
+    return Evaluation(
+        data, engine, group_by, predictions, metrics, final, np.array(coefs), fragmentation, models, fold_of
+    )
 
 
 def accuracy(data: Dataset, predicted: np.ndarray) -> dict[str, Any]:
@@ -311,6 +343,8 @@ def profile_of(ev: Evaluation, *, results_dir: str) -> dict[str, Any]:
         },
         "cross_validation": {"group_by": ev.group_by, "folds": len(ev.fold_coefs)},
         "metrics": ev.metrics,
+        # every pipeline stage and ZeRO-1 partition, raw and calibrated held out (issue 30 item 3)
+        "per_rank": ev.stage_metrics,
     }
 
 

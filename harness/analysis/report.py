@@ -12,25 +12,16 @@ from pathlib import Path
 import pandas as pd
 
 from harness.analysis.calibrate import ESTIMATORS, MIB, PAPER_THRESHOLD, Evaluation, evaluate
+from harness.analysis.markdown import pct as _pct
+from harness.analysis.markdown import table as _table
 from harness.analysis.plots import all_figures, fastest_layout, throughput_unit, world_of
-from harness.analysis.stages import stage_errors
-from harness.analysis.stages import summary as stage_summary
+from harness.analysis.stages import stages_section
 from harness.analysis.steptime import StepTimeEvaluation, evaluate_step_time
 from harness.estimate.steptime import TERMS as STEP_TIME_TERMS
 from harness.estimate.steptime import UNITS
 from harness.runner.record import STATUSES
 
 GROUP_WORDS = {"world": "world size", "model": "model", "layout": "tp-pp-cp layout"}
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
-    return out
-
-
-def _pct(x: float | None) -> str:
-    return "none" if x is None else f"{x:.1%}"
 
 
 def layout_label(r: pd.Series) -> str:
@@ -151,44 +142,6 @@ def memory_section(ev: Evaluation) -> list[str]:
         "measured here for each estimator ('none': no run ran out of memory); 'fitting runs above it' are "
         "runs it would wrongly exclude. "
         "The last two columns apply the paper's 80 % rule as published.",
-    ]
-
-
-STAGE_COLUMNS = ["stage", "stages", "median error", "p95 abs. error", "worst under", "within 2 % under"]
-
-
-def stages_section(ev: Evaluation) -> list[str]:
-    """Every pipeline stage's most-loaded rank against that stage's estimate (harness/analysis/
-    stages.py), by stage position; nothing when no measured run has a pipeline."""
-    errors = stage_errors(ev.data, engine=ev.engine)
-    if errors.empty:
-        return []
-    rows = [
-        [
-            r["position"],
-            str(r["stages"]),
-            f"{r['median']:+.2%}",
-            _pct(r["p95_abs"]),
-            _pct(r["worst_under"]),
-            _pct(r["within_2pct_under"]),
-        ]
-        for r in stage_summary(errors)
-    ]
-    worst = errors.loc[errors["error"].idxmin()]
-    return [
-        "## Every pipeline stage",
-        "",
-        f"Each stage's most-loaded rank against the `{ev.engine}` engine's figure for that stage, over the "
-        f"{errors['config_id'].nunique()} measured runs with a pipeline (the memory table above judges "
-        "only each run's worst rank). Error = (estimated − measured) / measured.",
-        "",
-        *_table(
-            ["stage", "stages", "median error", "p95 abs. error", "worst under", "within 2 % under"], rows
-        ),
-        "",
-        f"Worst under-prediction: stage {int(worst['stage'])} of `{worst['config_id']}`, "
-        f"{-worst['error']:.2%} under ({worst['measured'] / 2**20:.1f} MiB measured).",
-        "",
     ]
 
 

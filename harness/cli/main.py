@@ -168,7 +168,12 @@ def _calibrate(overrides: Sequence[str]) -> int:
         profile["step_time"] = step_time_section(st)
     path = save_profile(profile, target)
     if fmt == "json":
-        out = {"estimators": ev.metrics, "fragmentation": ev.fragmentation, "profile": str(path)}
+        out = {
+            "estimators": ev.metrics,
+            "per_rank": ev.stage_metrics,
+            "fragmentation": ev.fragmentation,
+            "profile": str(path),
+        }
         if st is not None:
             keys = ("median_ape", "spearman_median", "top1_ratio_median")
             out["throughput"] = {k: st.metrics[k] for k in keys}

@@ -129,7 +129,7 @@ def grad_reduce(m: ModelSpec, *, tp: int, zero_stage: int, shards: int, engine: 
     return 4 * layer_params(m, tp=tp)
 
 
-def optimizer_step(n: int, *, zero_stage: int, shards: int, engine: str) -> int:
+def optimizer_step(n: int, *, zero_stage: int, shards: int, engine: str, partition: int = 0) -> int:
     """A ``foreach`` AdamW step's intermediates: ``torch._foreach_sqrt(exp_avg_sq)`` allocates one FP32
     tensor per parameter of the (local) group; the other updates are in place. Megatron's fused Adam
     (apex/TE multi-tensor apply) allocates none. This happens after backward, when activations are gone,
@@ -137,6 +137,8 @@ def optimizer_step(n: int, *, zero_stage: int, shards: int, engine: str) -> int:
     if engine != "torch":
         return 0
     local = -(-n // shards) if zero_stage >= 1 else n
+    if zero_stage == 1 and partition:  # ZeroRedundancyOptimizer's whole-tensor partition
+        local = partition
     return 4 * local
 
 

@@ -60,10 +60,37 @@ def stage_params(m: ModelSpec, *, stage: int, pp: int, tp: int = 1) -> int:
     return m.num_layers // pp * layer_params(m, tp=tp) + non_layer_params(m, stage=stage, pp=pp, tp=tp)
 
 
-def largest_param(m: ModelSpec, *, stage: int, pp: int, tp: int = 1) -> int:
-    """The largest single parameter tensor on one rank of ``stage``: the embedding or head (v·h/t)
-    where the stage holds one, else a SwiGLU projection (h·f/t)."""
-    big = m.hidden_size * m.ffn_hidden_size // tp
-    if stage == 0 or stage == pp - 1:
-        big = max(big, m.hidden_size * m.vocab_size // tp)
-    return big
+def param_numels(m: ModelSpec, *, stage: int, pp: int, tp: int = 1) -> list[tuple[int, int]]:
+    """(global, local) elements of each parameter tensor on one rank of pipeline ``stage``: what
+    ``numel()`` says of it (a DTensor's is its global size) and what the rank holds. The embedding
+    (stage 0), every block's two norms, Q, K, V and O (and Q/K/V biases), the three SwiGLU matrices,
+    the final norm and the head (last stage; one tensor with the embedding when tied with pp = 1).
+    Matrices and biases are sharded by t, norms replicated; the sum of the locals is
+    :func:`stage_params`."""
+    h, v, f = m.hidden_size, m.vocab_size, m.ffn_hidden_size
+    kv = h // m.num_heads * m.num_kv_heads
+    block = [(h, h), (h, h)]  # the two norms
+    block += [(n, n // tp) for n in (h * h, h * kv, h * kv, h * h, h * f, h * f, h * f)]
+    if m.qkv_bias:
+        block += [(n, n // tp) for n in (h, kv, kv)]
+    out = []
+    if stage == 0:
+        out.append((h * v, h * v // tp))
+    out += block * (m.num_layers // pp)
+    if stage == pp - 1:
+        out.append((h, h))
+        if not (m.tie_embeddings and pp == 1):
+            out.append((h * v, h * v // tp))
+    return out
+
+
+def zero1_partitions(numels: list[tuple[int, int]], shards: int) -> list[int]:
+    """The local elements ``ZeroRedundancyOptimizer`` gives each rank of its group, in group-rank order:
+    the parameters sorted by ``numel()``, largest first, each to the rank with the fewest elements so far
+    (the lowest such rank on a tie; torch 2.13 ``_partition_parameters``, one parameter group)."""
+    sizes, local = [0] * shards, [0] * shards
+    for total, mine in sorted(numels, key=lambda x: x[0], reverse=True):
+        rank = sizes.index(min(sizes))
+        sizes[rank] += total
+        local[rank] += mine
+    return local

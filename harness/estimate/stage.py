@@ -10,7 +10,7 @@ from harness.estimate import buffers as buf
 from harness.estimate import pipeline as pipe
 from harness.estimate import states as st
 from harness.estimate.dtypes import torch_autocast
-from harness.estimate.params import largest_param, stage_params
+from harness.estimate.params import param_numels, stage_params, zero1_partitions
 from harness.estimate.peaks import (
     fsdp_last_stage_peaks,
     replicated_embedding_grad,
@@ -42,11 +42,13 @@ def _state_terms(
     n = stage_params(m, stage=stage, pp=pp, tp=tp)
     if engine == "torch" and shards == 1:
         zero = 0  # the runner wraps nothing for one data-parallel rank: every ZeRO stage is plain AdamW
+    partition = 0
+    if engine == "torch" and zero == 1:
+        partition = max(zero1_partitions(param_numels(m, stage=stage, pp=pp, tp=tp), shards))
     if engine == "megatron":
         states = st.megatron_states(n, zero_stage=zero, shards=shards, precision=precision)
     else:
-        largest = largest_param(m, stage=stage, pp=pp, tp=tp)
-        states = st.torch_states(n, zero_stage=zero, shards=shards, precision=precision, largest=largest)
+        states = st.torch_states(n, zero_stage=zero, shards=shards, precision=precision, partition=partition)
     step_grads = 0
     if grads_at_peak == "none":  # made in backward, gone after the step: the step's term only
         states["grads"], step_grads = 0, states["grads"]
@@ -80,7 +82,10 @@ def _state_terms(
         ),
         ("grad_reduce", buf.grad_reduce(m, tp=tp, zero_stage=zero, shards=shards, engine=engine)),
         ("step_grads", step_grads),
-        ("optimizer_step", buf.optimizer_step(n, zero_stage=zero, shards=shards, engine=engine)),
+        (
+            "optimizer_step",
+            buf.optimizer_step(n, zero_stage=zero, shards=shards, engine=engine, partition=partition),
+        ),
     )
     d = dict(items)
     return (

@@ -35,16 +35,18 @@ def megatron_states(n: int, *, zero_stage: int, shards: int, precision: str) -> 
     }
 
 
-def torch_states(n: int, *, zero_stage: int, shards: int, precision: str, largest: int = 0) -> dict[str, int]:
+def torch_states(
+    n: int, *, zero_stage: int, shards: int, precision: str, partition: int = 0
+) -> dict[str, int]:
     """What the runner's PyTorch code keeps, for any precision: FP32 parameters (AdamW updates them in
     place), FP32 gradients, AdamW's two FP32 moments ``exp_avg`` and ``exp_avg_sq`` (8 B).
 
     - ZeRO-0: DDP, everything replicated (4 + 4 + 8 = 16 B per parameter); BF16 runs under autocast,
       whose cast copies are the ``param_copies`` term, not a state.
-    - ZeRO-1: DDP + ``ZeroRedundancyOptimizer``: the 8 B of AdamW state sharded — by whole parameter
-      tensors (greedily, largest first), so the most-loaded rank holds at least the ``largest`` one:
-      max(n/(d·c), largest) (measured: an 8-way split of ``tiny`` left one rank the embedding, 2.3
-      times its even share).
+    - ZeRO-1: DDP + ``ZeroRedundancyOptimizer``: the 8 B of AdamW state sharded by whole parameter
+      tensors, greedily, largest first; ``partition`` is the most-loaded rank's elements
+      (:func:`params.zero1_partitions`; measured: an 8-way split of ``tiny`` left one rank the
+      embedding, 2.3 times its even share).
     - ZeRO-2: FSDP2 ``fully_shard(reshard_after_forward=False)``: sharded FP32 parameters, FP32 sharded
       gradients (``reduce_dtype=float32``), sharded optimizer state; the unsharded compute copy lives
       from forward to backward (``param_copies``).
@@ -61,7 +63,7 @@ def torch_states(n: int, *, zero_stage: int, shards: int, precision: str, larges
     return {
         "params": _shard(4 * n, shards) if fsdp else 4 * n,
         "grads": _shard(4 * n, shards) if fsdp else 4 * n,
-        "optimizer": 8 * max(_shard(n, shards), largest if zero_stage == 1 else 0)
+        "optimizer": 8 * (partition if zero_stage == 1 and partition else _shard(n, shards))
         if zero_stage >= 1
         else 8 * n,
     }

@@ -8,7 +8,7 @@ import pytest
 from conftest import model, spec
 
 from harness.estimate import estimate
-from harness.estimate.params import largest_param, layer_params, stage_params, total_params
+from harness.estimate.params import layer_params, stage_params, total_params
 
 
 @pytest.mark.parametrize(
@@ -50,12 +50,23 @@ def test_tied_embeddings_counted_once_without_pipeline_and_twice_with():
     assert stage_params(m, stage=1, pp=2) == 2 * 184_576 + 128 + 524_288
 
 
-def test_zero1_most_loaded_rank_holds_at_least_the_largest_tensor():
+def test_zero1_partitions_are_whole_tensors_largest_first():
     # ZeroRedundancyOptimizer shards by whole tensors: over 8 ranks, tiny's 1.79 M parameters would be
-    # 0.22 M each, but one rank holds the embedding (v·h = 524,288) or the head: 8 B of AdamW state each.
+    # 0.22 M each, but ranks 0 and 1 hold the embedding and the head (v·h = 524,288 each): 8 B of AdamW
+    # state each. The other 738,432 (4 blocks of 184,576 and the final norm's 128) go to ranks 2-7,
+    # largest first: the 12 SwiGLU matrices (45,056) two to a rank, then wq and wo (16,384) ...
+    from harness.estimate.params import param_numels, zero1_partitions
+
     s = spec("tiny", parallel_dp=8, parallel_zero_stage=1)
-    assert largest_param(s.model, stage=0, pp=1) == 4096 * 128
-    assert estimate(s, engine="torch").worst.terms["optimizer"] == 8 * 4096 * 128
+    numels = param_numels(s.model, stage=0, pp=1)
+    assert sum(local for _, local in numels) == stage_params(s.model, stage=0, pp=1) == 1_787_008
+    parts = zero1_partitions(numels, 8)
+    assert parts[:2] == [524_288, 524_288] and sum(parts) == 1_787_008
+    assert max(parts[2:]) - min(parts[2:]) <= 16_384  # balanced to one Q/O matrix
+    assert estimate(s, engine="torch").worst.terms["optimizer"] == 8 * 524_288
+    # Over 2 ranks the halves come within two norm vectors of each other.
+    two = zero1_partitions(numels, 2)
+    assert sum(two) == 1_787_008 and abs(two[0] - two[1]) <= 2 * 128
     # FSDP (ZeRO-2/3) shards every tensor evenly (padded to the group size).
     s2 = spec("tiny", parallel_dp=8, parallel_zero_stage=2)
     n = stage_params(s.model, stage=0, pp=1)

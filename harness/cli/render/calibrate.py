@@ -28,6 +28,14 @@ def calibration_table(ev, *, profile_path: str) -> str:
         "memory that the paper's 80 % rule calls safe; excl.>80%: ok runs that the 80 % rule excludes.",
         f"profile ({profile_path}): {ev.model.describe()}",
     ]
+    for name, what in (("stages", "every pipeline stage"), ("partitions", "every ZeRO-1 partition")):
+        if name in ev.stage_metrics:
+            raw, cal = ev.stage_metrics[name]["raw"], ev.stage_metrics[name]["calibrated"]
+            lines.append(
+                f"{what} ({raw['stages']}), within 2 % under: {ev.engine} {raw['within_2pct_under']:.1%} "
+                f"(worst under {raw['worst_under']:.1%}), calibrated held out {cal['within_2pct_under']:.1%} "
+                f"(worst under {cal['worst_under']:.1%})"
+            )
     f = ev.fragmentation
     if f is None:
         lines.append("fragmentation: not fitted (no run reports a reserved peak, measured or replayed)")
