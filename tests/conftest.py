@@ -82,6 +82,23 @@ def in_fresh_process(fn, *args):
         return pool.submit(fn, *args).result()
 
 
+def trace_one(s, rank: int) -> dict:
+    """One rank of ``s`` traced in fake mode (``trace_rank``), with its rank: what run_fake collects."""
+    from harness.runner.fake.trace import trace_rank
+
+    return {"rank": rank, **trace_rank(s, rank)}
+
+
+def trace_all(s):
+    """The record run_fake makes and its ranks, each rank traced in a spawned process of its own (as
+    run_fake forks one: a fake mode's tensors must not meet another's)."""
+    from harness.runner.fake.ranks import traced_ranks
+    from harness.runner.fake.run import fake_record
+
+    ranks = [in_fresh_process(trace_one, s, r) for r in traced_ranks(s)]
+    return fake_record(s, ranks, wall_s=0.0, timeout_s=60), ranks
+
+
 def harness_cli(*args: str, timeout: float = 600):
     """``python -m harness ARGS`` as a user runs it: its exit code, stdout and stderr."""
     import subprocess

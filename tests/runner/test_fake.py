@@ -9,7 +9,7 @@ import json
 import weakref
 
 import pytest
-from conftest import fast_few, harness_cli, in_fresh_process, spec
+from conftest import fast_few, harness_cli, in_fresh_process, spec, trace_all, trace_one
 
 from harness.runner.fake.ranks import _zero1_worst_rank, rank_of, traced_ranks, uneven_tp
 from harness.runner.fake.run import fake_record, run_fake
@@ -122,26 +122,13 @@ LAYOUTS = {
 }
 
 
-def _trace(s, rank):
-    from harness.runner.fake.trace import trace_rank
-
-    return {"rank": rank, **trace_rank(s, rank)}
-
-
-def _trace_all(s):
-    """The record run_fake makes, each rank traced in a spawned process of its own (as run_fake forks
-    one: a fake mode's tensors must not meet another's)."""
-    ranks = [in_fresh_process(_trace, s, r) for r in traced_ranks(s)]
-    return fake_record(s, ranks, wall_s=0.0, timeout_s=60), ranks
-
-
 FAST = ("ddp", "fsdp_dp_tp", "pp_1f1b_dp")  # the rest (each 6-25 s here) run with -m slow
 
 
 @pytest.mark.parametrize("name", fast_few(LAYOUTS, FAST))
 def test_every_runner_layout_is_traced(name):
     s = spec("tiny", train_seq_len=128, **LAYOUTS[name])
-    row, ranks = _trace_all(s)
+    row, ranks = trace_all(s)
     assert row["status"] == "ok", row["error"]
     assert [r["coords"]["pp"] for r in ranks] == list(range(s.parallel.pp))
     # Every rank holds optimizer state (DDP + TP's parameters, swapped to local tensors by
@@ -167,28 +154,12 @@ def test_tied_layouts_are_traced_as_the_real_run_measures_them(name):
 
     s = spec("tiny", train_precision="fp32", train_seq_len=128, **TIED[name])
     s = canonical(dataclasses.replace(s, model=dataclasses.replace(s.model, tie_embeddings=True)))
-    row, ranks = _trace_all(s)
+    row, ranks = trace_all(s)
     assert row["status"] == "ok", row["error"]
     real = run_point(s, timeout_s=240)
     assert real["status"] == "ok", real["error"]
     for r in ranks:  # each traced rank against the same rank of the real run
         assert r["peak_allocated_bytes"] == pytest.approx(real["per_rank_peak_bytes"][r["rank"]], rel=0.01)
-
-
-@pytest.mark.parametrize("precision", fast_few(["bf16", "fp32"], ["bf16"]))
-def test_a_cpu_trace_holds_gloos_reduce_scatter_copy_as_the_real_run_does(precision):
-    """issue 30: at the root's reduce-scatter (the peak of ``small`` under ZeRO-3 with full
-    recomputation) gloo clones the FP32 input; the fake group allocated nothing, and the trace read
-    112.8 MiB real as 96.8 (BF16) and 116.8 as 105.8 (FP32). The engine counts the copy on the CPU."""
-    from harness.estimate import estimate
-    from harness.runner.supervisor import run_point
-
-    s = spec("small", train_precision=precision, parallel_dp=2, parallel_zero_stage=3, train_recompute="full")
-    real = run_point(s, timeout_s=240)
-    assert real["status"] == "ok", real["error"]
-    row, _ = _trace_all(s)
-    assert row["peak_allocated_bytes"] == pytest.approx(real["peak_allocated_bytes"], rel=0.005)
-    assert estimate(s).total_bytes == pytest.approx(real["peak_allocated_bytes"], rel=0.01)
 
 
 def test_ddp_buckets_are_the_gradients_and_are_rebuilt_once():
@@ -458,7 +429,7 @@ def test_dtensor_sharding_propagation_is_not_counted():
     parallel.tp=2`); the trace read 28,323,996 B before (+12 %), 25,186,732 B now (at s 512:
     38,382,784 B measured, 44,657,308 before, 38,382,764 now)."""
     s = spec("tiny", parallel_tp=2, train_seq_len=256, train_precision="bf16")
-    traced = in_fresh_process(_trace, s, 0)["peak_allocated_bytes"]
+    traced = in_fresh_process(trace_one, s, 0)["peak_allocated_bytes"]
     assert traced == pytest.approx(25_186_752, rel=0.001)
 
 
@@ -753,7 +724,7 @@ def test_first_stage_holds_the_mlp_backward_working_set_as_traced():
         train_precision="fp32",
     )
     assert backward_working_set(s.model, s.parallel, s.train) == 2 * 4 * 512 * 352 * 4 == 5_767_168
-    traced = in_fresh_process(_trace, s, 0)
+    traced = in_fresh_process(trace_one, s, 0)
     assert traced["categories"]["temporaries"] == 8_650_752
     engine = estimate(s, engine="torch").stages[0].total_bytes
     assert abs(engine - traced["peak_allocated_bytes"]) <= 0.01 * traced["peak_allocated_bytes"]

@@ -9,6 +9,7 @@ from typing import Any
 from harness.runner.fake.modes import (
     _bucketed_ddp,
     _fake_deepcopy,
+    _gloo_all_gather_temporaries,
     _gloo_reduce_scatter_copy,
     _gloo_works_hold_tensors,
     _local_stage_meta,
@@ -66,6 +67,7 @@ def trace_rank(
             _fake_deepcopy(fake_mode),
             _private_sharding_propagation(),
             _gloo_reduce_scatter_copy(spec.device.name == "cpu"),
+            _gloo_all_gather_temporaries(spec.device.name == "cpu"),
             _gloo_works_hold_tensors(spec.device.name == "cpu"),
             kernels,
         ):
