@@ -27,7 +27,7 @@ def test_a_cpu_trace_holds_gloos_reduce_scatter_copy_as_the_real_run_does(precis
 def test_a_cpu_trace_holds_gloos_all_gather_temporaries_as_the_real_run_does():
     """issue 30: FSDP2's all-gather on gloo allocates two output-sized temporaries inside the call while
     the shards' BF16 casts are still held; the fake group allocated nothing, and stage 0 of pp 2 × dp 2
-    ZeRO-3 traced 2.4 % below its real run (the BF16 study's 9 such points up to 3.1 %)."""
+    ZeRO-3 traced 2.4 % below its real run (5 such points of the BF16 study, up to 3.1 %)."""
     from harness.runner.supervisor import run_point
 
     s = spec(

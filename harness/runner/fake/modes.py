@@ -206,7 +206,7 @@ def _gloo_all_gather_temporaries(gloo: bool) -> Iterator[None]:
     a real CPU trace, the root's and each block's (``tiny``, pp 2 × dp 2, ZeRO-3, BF16: two 1 MiB
     buffers allocated and freed on the default stream between the copy-in and the copy-out of the 1 MiB
     output). The fake group allocates nothing, so the CPU trace missed them, and the 0.5 MiB cast of
-    the root's shard with them at stage 0's peak: the pp × ZeRO-3 points of the BF16 study traced up to
+    the root's shard with them at stage 0's peak: 5 pp × FSDP2 points of the BF16 study traced up to
     3.1 % below their real runs. NCCL's all-gather writes the output directly: GPU presets trace
     without them."""
     if not gloo:
