@@ -120,9 +120,15 @@ def test_higher_zero_stage_never_costs_memory(spec):
 @settings(deadline=None)
 @given(specs())
 def test_recomputation_never_increases_activations(spec):
+    # Activations and the parameters' compute-dtype copies together: without a pipeline a checkpointed
+    # block's casts are dropped before backward and one block's are made again while it is recomputed
+    # (act.checkpointed_casts), which can outweigh that block's activations at a short sequence.
+    def with_copies(terms: dict[str, int]) -> int:
+        return terms["activations"] + terms["param_copies"]
+
     def acts(mode: str) -> list[int]:
         s = dataclasses.replace(spec, train=dataclasses.replace(spec.train, recompute=mode))
-        return [st.terms["activations"] for st in estimate(s, engine="torch").stages]
+        return [with_copies(st.terms) for st in estimate(s, engine="torch").stages]
 
     none, selective, full = acts("none"), acts("selective"), acts("full")
     assert all(f <= s <= n for f, s, n in zip(full, selective, none, strict=True))
@@ -131,7 +137,7 @@ def test_recomputation_never_increases_activations(spec):
     assert all(f <= o for f, o in zip(full, acts("op"), strict=True))
     # Checkpointing every N-th block lies between checkpointing all and none.
     every = dataclasses.replace(spec.train, recompute="full", recompute_every=2)
-    half = [st.terms["activations"] for st in estimate(dataclasses.replace(spec, train=every)).stages]
+    half = [with_copies(st.terms) for st in estimate(dataclasses.replace(spec, train=every)).stages]
     assert all(f <= h <= n for f, h, n in zip(full, half, none, strict=True))
 
 
