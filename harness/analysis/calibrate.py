@@ -221,15 +221,21 @@ class Evaluation:
         return float(self.fold_models[int(self.fold_of[run])].predict(row)[0])
 
     @functools.cached_property
+    def rank_errors(self) -> dict[str, pd.DataFrame]:
+        """Every pipeline stage and every ZeRO-1 partition against the raw engine's figure and the
+        calibrated one held out (harness/analysis/stages.py): ``{"stages"|"partitions": errors}``, made
+        once for the profile, ``calibrate``'s lines and the report."""
+        return {
+            "stages": stage_errors(self.data, engine=self.engine, predict=self.held_out),
+            "partitions": partition_errors(self.data, engine=self.engine, predict=self.held_out),
+        }
+
+    @functools.cached_property
     def stage_metrics(self) -> dict[str, Any]:
-        """Every pipeline stage and every ZeRO-1 partition (harness/analysis/stages.py), the raw engine's
-        figure and the calibrated one held out: ``{"stages"|"partitions": {"raw"|"calibrated":
-        summary}}``, empty where the runs have neither."""
+        """:attr:`rank_errors` summarised: ``{"stages"|"partitions": {"raw"|"calibrated": summary}}``,
+        empty where the runs have neither."""
         out: dict[str, Any] = {}
-        for name, errors in (
-            ("stages", stage_errors(self.data, engine=self.engine, predict=self.held_out)),
-            ("partitions", partition_errors(self.data, engine=self.engine, predict=self.held_out)),
-        ):
+        for name, errors in self.rank_errors.items():
             if len(errors):
                 out[name] = {
                     "raw": stage_summary(errors)[-1],

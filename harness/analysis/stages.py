@@ -206,8 +206,7 @@ def stages_section(ev) -> list[str]:
     every rank of a ZeRO-1 run against its own partition's, by the engine and by the calibrated
     estimator held out (``ev``: a :class:`harness.analysis.calibrate.Evaluation`); nothing when the
     runs have neither."""
-    errors = stage_errors(ev.data, engine=ev.engine, predict=ev.held_out)
-    partitions = partition_errors(ev.data, engine=ev.engine, predict=ev.held_out)
+    errors, partitions = ev.rank_errors["stages"], ev.rank_errors["partitions"]
     out = []
     calibrated = " (calibrated)"
     if not errors.empty:
