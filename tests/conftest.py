@@ -107,3 +107,33 @@ def harness_cli(*args: str, timeout: float = 600):
     return subprocess.run(
         [sys.executable, "-m", "harness", *args], capture_output=True, text=True, timeout=timeout, check=False
     )
+
+
+def scripted_tracing(monkeypatch, finishes, results):
+    """``_trace_ranks`` (harness.runner.fake.pool) without processes: ``finishes`` says which running
+    ranks end at each wait, in turn; ``results[rank]`` is what each returns (``extra``: the ZeRO-1
+    rank it names). Returns the started and the killed ranks, in order."""
+    from harness.runner.fake import pool
+
+    started, killed, turns = [], [], iter(finishes)
+
+    def start(spec, rank, out, kernels, trace_dir=None, *, keep_events=False):
+        started.append(rank)
+        return rank, out
+
+    def wait_any(running, deadline):
+        ended = next(turns)
+        assert set(ended) <= set(running), (ended, sorted(running))
+        for rank in ended:
+            del running[rank]
+        return {rank: {"rank": rank, **results[rank]} for rank in ended}
+
+    monkeypatch.setattr(pool, "_start_child", start)
+    monkeypatch.setattr(pool, "_wait_any", wait_any)
+    monkeypatch.setattr(pool, "_kill", lambda proc: killed.append(proc))
+    monkeypatch.setattr(pool, "_zero1_worst_rank", lambda spec, result: result.get("extra"))
+    return started, killed
+
+
+def ok_trace(peak, extra=None):
+    return {"peak_allocated_bytes": peak, "extra": extra}

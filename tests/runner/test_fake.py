@@ -9,7 +9,16 @@ import json
 import weakref
 
 import pytest
-from conftest import fast_few, harness_cli, in_fresh_process, spec, trace_all, trace_one
+from conftest import (
+    fast_few,
+    harness_cli,
+    in_fresh_process,
+    ok_trace,
+    scripted_tracing,
+    spec,
+    trace_all,
+    trace_one,
+)
 
 from harness.runner.fake.ranks import _zero1_worst_rank, rank_of, traced_ranks, uneven_tp
 from harness.runner.fake.run import fake_record, run_fake
@@ -436,44 +445,14 @@ def test_dtensor_sharding_propagation_is_not_counted():
 # --- tracing ranks side by side ----------------------------------------------------------------------
 
 
-def _scripted_tracing(monkeypatch, finishes, results):
-    """``_trace_ranks`` without processes: ``finishes`` says which running ranks end at each wait, in
-    turn; ``results[rank]`` is what each returns (``extra``: the ZeRO-1 rank it names). Returns the
-    started and the killed ranks, in order."""
-    from harness.runner.fake import pool
-
-    started, killed, turns = [], [], iter(finishes)
-
-    def start(spec, rank, out, kernels, trace_dir=None):
-        started.append(rank)
-        return rank, out
-
-    def wait_any(running, deadline):
-        ended = next(turns)
-        assert set(ended) <= set(running), (ended, sorted(running))
-        for rank in ended:
-            del running[rank]
-        return {rank: {"rank": rank, **results[rank]} for rank in ended}
-
-    monkeypatch.setattr(pool, "_start_child", start)
-    monkeypatch.setattr(pool, "_wait_any", wait_any)
-    monkeypatch.setattr(pool, "_kill", lambda proc: killed.append(proc))
-    monkeypatch.setattr(pool, "_zero1_worst_rank", lambda spec, result: result.get("extra"))
-    return started, killed
-
-
-def _ok(peak, extra=None):
-    return {"peak_allocated_bytes": peak, "extra": extra}
-
-
 def test_ranks_traced_side_by_side_are_recorded_in_one_at_a_time_order(monkeypatch):
     """Two at a time, rank 8 ends first and names ZeRO-1 rank 9, then rank 0 names rank 1: one at a time
     would have traced 0, 8, then 1 (named first), then 9. The record lists them so: the worst rank is
     the first of equal peaks in that order, as before."""
     from harness.runner.fake.pool import _trace_ranks
 
-    results = {0: _ok(5, extra=1), 8: _ok(7, extra=9), 1: _ok(6), 9: _ok(6)}
-    started, killed = _scripted_tracing(monkeypatch, [[8], [0], [9], [1]], results)
+    results = {0: ok_trace(5, extra=1), 8: ok_trace(7, extra=9), 1: ok_trace(6), 9: ok_trace(6)}
+    started, killed = scripted_tracing(monkeypatch, [[8], [0], [9], [1]], results)
     traced = _trace_ranks(spec("tiny"), [0, 8], deadline=0.0, kernels=None, jobs=2)
     assert [r["rank"] for r in traced] == [0, 8, 1, 9]
     assert started == [0, 8, 9, 1] and killed == []
@@ -486,14 +465,14 @@ def test_after_a_failure_earlier_ranks_finish_and_later_ones_stop(monkeypatch):
     from harness.runner.fake.pool import _trace_ranks
 
     failed = {"error": "RuntimeError: boom"}
-    results = {0: _ok(5), 4: failed, 8: _ok(1), 12: _ok(1)}
-    started, killed = _scripted_tracing(monkeypatch, [[4], [0]], results)
+    results = {0: ok_trace(5), 4: failed, 8: ok_trace(1), 12: ok_trace(1)}
+    started, killed = scripted_tracing(monkeypatch, [[4], [0]], results)
     traced = _trace_ranks(spec("tiny"), [0, 4, 8, 12], deadline=0.0, kernels=None, jobs=2)
     assert [r["rank"] for r in traced] == [0, 4] and "error" in traced[1]
     assert started == [0, 4] and killed == []
 
-    results = {0: failed, 4: _ok(5), 8: _ok(1)}
-    started, killed = _scripted_tracing(monkeypatch, [[0]], results)
+    results = {0: failed, 4: ok_trace(5), 8: ok_trace(1)}
+    started, killed = scripted_tracing(monkeypatch, [[0]], results)
     traced = _trace_ranks(spec("tiny"), [0, 4, 8], deadline=0.0, kernels=None, jobs=2)
     assert [r["rank"] for r in traced] == [0]
     assert started == [0, 4] and killed == [4]
@@ -572,138 +551,6 @@ def test_one_micro_batch_warm_up_leaves_the_measured_step_unchanged(name):
     full = in_fresh_process(_trace_with_warm_up, s, True)
     assert short["peak_allocated_bytes"] > 0
     assert short == full
-
-
-def test_trace_key_ignores_the_card_but_not_the_layout_kernels_rank_or_code(monkeypatch):
-    from harness.runner.fake import cache as fake_cache
-
-    a100, h100 = spec("tiny", "a100_40gb"), spec("tiny", "h100_94gb")
-    key = fake_cache.trace_key(a100, 0, "cuda")
-    assert fake_cache.trace_key(h100, 0, "cuda") == key
-    assert fake_cache.trace_key(a100, 0, "cpu") != key
-    assert fake_cache.trace_key(a100, 1, "cuda") != key
-    assert fake_cache.trace_key(spec("tiny", "a100_40gb", parallel_dp=2), 0, "cuda") != key
-    monkeypatch.setattr(fake_cache, "code_hash", lambda: "another revision")
-    assert fake_cache.trace_key(a100, 0, "cuda") != key
-
-
-def _stage_trace(s, stage):
-    from harness.runner.fake.ranks import rank_of
-    from harness.runner.fake.trace import trace_rank
-
-    r = trace_rank(s, rank_of(s, stage=stage), keep_trace=True)
-    events = [(e["action"], e["size"], e.get("stream")) for e in r.pop("trace")]
-    timings = ("trace_s", "trace_cpu_s", "host_rss_bytes")
-    return {**{k: v for k, v in r.items() if k not in timings}, "events": events}
-
-
-DP_INVARIANCE = {  # layout, and whether a rank's trace is the same at dp 2 and dp 4
-    "pp_cp_replicate": ({"parallel_pp": 2, "parallel_cp": 2, "parallel_zero_stage": 0}, True),  # per stage
-    "ddp": ({"parallel_zero_stage": 0}, True),  # DDP's buckets
-    "zero1": ({"parallel_zero_stage": 1}, False),  # ZeroRedundancyOptimizer's partition is 1/dp
-}
-
-
-@pytest.mark.parametrize("name", fast_few(DP_INVARIANCE, ["ddp"]))
-def test_without_zero_a_rank_traces_the_same_for_any_data_parallel_size(name):
-    """What lets the trace cache key dp as "2 or more" without ZeRO: the last stage's rank traced with
-    dp 2 and with dp 4 gives the same figures and the same events (action, size, stream), in order;
-    with ZeRO-1 it does not, and the keys say so."""
-    from harness.runner.fake.cache import trace_key
-
-    layout, invariant = DP_INVARIANCE[name]
-    from harness.runner.fake.ranks import rank_of
-
-    two, four = (
-        spec("tiny", "h100_94gb", parallel_dp=dp, train_seq_len=128, train_num_microbatches=4, **layout)
-        for dp in (2, 4)
-    )
-    last = two.parallel.pp - 1
-    a, b = (in_fresh_process(_stage_trace, s, last) for s in (two, four))
-    assert a["peak_allocated_bytes"] > 0 and len(a["events"]) > 100
-    assert (a == b) is invariant
-    keys = (trace_key(s, rank_of(s, stage=last), "cuda") for s in (two, four))
-    assert (len(set(keys)) == 1) is invariant
-
-
-def test_trace_key_counts_data_parallel_replicas_only_as_one_or_more_without_zero():
-    from harness.runner.fake.cache import mesh_coords, trace_key
-
-    def key(dp, stage=1, **kw):
-        s = spec("tiny", parallel_pp=2, parallel_dp=dp, parallel_zero_stage=0, **kw)
-        return trace_key(s, rank_of(s, stage=stage), "cuda")
-
-    assert key(2) == key(4) == key(8) != key(1)
-    assert key(2) != key(2, stage=0)
-    assert key(2, train_micro_batch_size=2) != key(2)
-    s = spec("tiny", parallel_pp=2, parallel_dp=4, parallel_cp=2, parallel_tp=2)
-    assert mesh_coords(s, rank_of(s, stage=1, dp=3, cp=1, tp=0)) == {"pp": 1, "dp": 3, "cp": 1, "tp": 0}
-
-
-def test_ranks_in_the_trace_cache_are_not_traced_again(monkeypatch, tmp_path):
-    """Ranks 0 and 8 traced (8 names ZeRO-1 rank 9), kept; the same layout again traces nothing and
-    gives the same results in the same order. A failed rank is not kept: it is traced again."""
-    from harness.runner.fake.cache import TraceCache
-    from harness.runner.fake.pool import _trace_ranks
-
-    cache, s = TraceCache(tmp_path), spec("tiny")
-    results = {0: _ok(5), 8: _ok(7, extra=9), 9: _ok(6)}
-    started, _ = _scripted_tracing(monkeypatch, [[0, 8], [9]], results)
-    first = _trace_ranks(s, [0, 8], deadline=0.0, kernels="cuda", jobs=2, cache=cache)
-    assert started == [0, 8, 9] and len(list(tmp_path.glob("*.json"))) == 3
-    started, _ = _scripted_tracing(monkeypatch, [], results)
-    again = _trace_ranks(s, [0, 8], deadline=0.0, kernels="cuda", jobs=2, cache=cache)
-    assert started == [] and again == [{**r, "cached": True} for r in first]
-
-    failed = {"error": "RuntimeError: boom"}
-    started, _ = _scripted_tracing(monkeypatch, [[4]], {4: failed})
-    _trace_ranks(s, [4], deadline=0.0, kernels="cuda", jobs=1, cache=cache)
-    started, _ = _scripted_tracing(monkeypatch, [[4]], {4: failed})
-    _trace_ranks(s, [4], deadline=0.0, kernels="cuda", jobs=1, cache=cache)
-    assert started == [4]
-
-
-def test_a_layout_traced_with_another_data_parallel_size_is_taken_with_this_layouts_ranks(
-    monkeypatch, tmp_path
-):
-    """Without ZeRO, pp 2 traced on 4 GPUs (dp 2: ranks 0 and 2) serves pp 2 on 8 GPUs (dp 4: ranks 0
-    and 4): nothing traced again, each result under the rank of the same stage in the new layout."""
-    from harness.runner.fake.cache import TraceCache
-    from harness.runner.fake.pool import _trace_ranks
-
-    cache = TraceCache(tmp_path)
-    small, large = (spec("tiny", parallel_pp=2, parallel_dp=dp, parallel_zero_stage=0) for dp in (2, 4))
-    started, _ = _scripted_tracing(monkeypatch, [[0, 2]], {0: _ok(5), 2: _ok(7)})
-    _trace_ranks(small, traced_ranks(small), deadline=0.0, kernels="cuda", jobs=2, cache=cache)
-    started, _ = _scripted_tracing(monkeypatch, [], {})
-    taken = _trace_ranks(large, traced_ranks(large), deadline=0.0, kernels="cuda", jobs=2, cache=cache)
-    assert started == [] and traced_ranks(large) == [0, 4]
-    assert [(r["rank"], r["peak_allocated_bytes"], r["cached"]) for r in taken] == [
-        (0, 5, True),
-        (4, 7, True),
-    ]
-
-
-def test_harness_run_fake_takes_a_rank_traced_for_another_card_from_the_cache(tmp_path):
-    """``run.fake_cache``: tiny dp 2 traced for an A100 is taken as it is for an H100 (nothing traced
-    again: the record says which ranks came from the cache), the same figures, the H100's name."""
-    args = [
-        "run",
-        "run.mode=fake",
-        "model=tiny",
-        "parallel.dp=2",
-        f"run.fake_cache={tmp_path}",
-        "format=json",
-    ]
-    a100 = harness_cli(*args, "device=a100_40gb")
-    h100 = harness_cli(*args, "device=h100_94gb")
-    assert a100.returncode == 0 and h100.returncode == 0, a100.stderr + h100.stderr
-    first, second = json.loads(a100.stdout), json.loads(h100.stdout)
-    assert (first["fake_cached_ranks"], second["fake_cached_ranks"]) == ([], [0])
-    assert (first["device_name"], second["device_name"]) == ("a100_40gb", "h100_94gb")
-    for key in ("peak_allocated_bytes", "per_rank_peak_bytes", "sim_peak_reserved_bytes", "mem_params_bytes"):
-        assert first[key] == second[key], key
-    assert first["config_id"] != second["config_id"]
 
 
 def test_first_stage_holds_the_mlp_backward_working_set_as_traced():

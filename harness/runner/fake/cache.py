@@ -3,7 +3,10 @@ for the same layout on another GPU preset is not traced again.
 
 Why it is sound: a fake trace reads the device preset only to choose CUDA's kernels or the CPU's
 (``fake.gpu_kernels``); the card's capacity enters after the trace, in the record's out-of-memory
-verdict (``fake.fake_record``). So the published grids, which trace the same 7B-70B layouts on an
+verdict (``fake.fake_record``) and in the replay of the step against what the allocator may reserve
+(``sim_capacity_*``). The entry keeps the step's allocation events (compressed), and a rank taken
+for another card is replayed against that card's capacity again, as its own trace would have been
+(``TraceCache.load``). So the published grids, which trace the same 7B-70B layouts on an
 A100 40 GB and on an H100 94 GB, need each rank traced once. An entry is found again only by the
 same key: the spec without its device section, the kernels, the rank's mesh coordinates, torch's
 version and a hash of every source file of the ``harness`` package — any change to the code traces
@@ -23,12 +26,14 @@ mid-write leaves no half entry.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import functools
 import hashlib
 import json
 import os
 import tempfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -87,24 +92,59 @@ class TraceCache:
         return self.root / f"{trace_key(spec, rank, kernels)}.json"
 
     def load(self, spec: RunSpec, rank: int, kernels: str) -> dict[str, Any] | None:
-        """The stored result of ``rank``, or None (absent or unreadable: traced again)."""
-        try:
-            result = json.loads(self._path(spec, rank, kernels).read_text())
-        except (OSError, ValueError):
-            return None
-        return result if isinstance(result, dict) and "peak_allocated_bytes" in result else None
+        """The stored result of ``rank``, its ``sim_capacity_*`` fields replayed against ``spec``'s card
+        when it was traced for another; None when absent or unreadable (traced again)."""
+        from harness.runner.fake.trace import card_capacity_bytes
+        from harness.runner.measure.trace import capacity_fields
 
-    def store(self, spec: RunSpec, rank: int, kernels: str, result: dict[str, Any]) -> None:
-        """Keep a completed trace (results without a peak are not kept)."""
+        try:
+            entry = json.loads(self._path(spec, rank, kernels).read_text())
+            result, packed = entry["result"], entry.get("events")
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+        if not isinstance(result, dict) or "peak_allocated_bytes" not in result:
+            return None
+        capacity = card_capacity_bytes(spec)
+        if "sim_capacity_bytes" in result and result["sim_capacity_bytes"] != capacity:
+            if packed is None:
+                return None
+            events = unpack_events(packed)
+            peak = result["sim_peak_allocated_bytes"]
+            result = {**result, **capacity_fields(events, capacity, peak_allocated_bytes=peak)}
+        return result
+
+    def store(
+        self, spec: RunSpec, rank: int, kernels: str, result: dict[str, Any], events: list | None = None
+    ) -> None:
+        """Keep a completed trace (results without a peak are not kept) and the step's allocation
+        ``events`` (what a replay against another card's capacity needs)."""
         if "peak_allocated_bytes" not in result:
             return
+        entry = {"result": result, "events": pack_events(events) if events is not None else None}
         path = self._path(spec, rank, kernels)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
         try:
             with os.fdopen(fd, "w") as f:
-                json.dump(result, f)
+                json.dump(entry, f)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+
+# What the allocator model reads of an event (harness.alloc.replay); the rest is not kept.
+EVENT_FIELDS = ("action", "addr", "size", "stream")
+
+
+def pack_events(events: list[dict[str, Any]]) -> str:
+    """``events`` as compressed text (a 70B rank's step, ~10^4 events, is a few hundred KB)."""
+    rows = [[ev.get(k) for k in EVENT_FIELDS] for ev in events]
+    return base64.b64encode(zlib.compress(json.dumps(rows).encode(), 6)).decode()
+
+
+def unpack_events(packed: str) -> list[dict[str, Any]]:
+    return [
+        dict(zip(EVENT_FIELDS, row, strict=True))
+        for row in json.loads(zlib.decompress(base64.b64decode(packed)))
+    ]

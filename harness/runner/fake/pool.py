@@ -58,17 +58,21 @@ def _trace_ranks(
                     results[rank], reused = {**hit, "rank": rank, "cached": True}, True
                     extras[rank] = _zero1_worst_rank(spec, results[rank])
                     continue
-                running[rank] = _start_child(spec, rank, Path(tmp) / f"rank{rank}.json", kernels, trace_dir)
+                out = Path(tmp) / f"rank{rank}.json"
+                running[rank] = _start_child(
+                    spec, rank, out, kernels, trace_dir, keep_events=cache is not None
+                )
             if reused:
                 continue  # (a reused result may name a ZeRO-1 rank: look at the order again)
             if not running:
                 break
             for rank, result in _wait_any(running, deadline).items():
+                events = result.pop("events", None)
                 results[rank] = result
                 if "peak_allocated_bytes" in result:
                     extras[rank] = _zero1_worst_rank(spec, result)
                     if cache is not None:
-                        cache.store(spec, rank, kernels, result)
+                        cache.store(spec, rank, kernels, result, events)
     order, cut = _sequence(base, extras, results)
     return [results[r] for r in order[: cut + 1] if r in results]
 
@@ -149,10 +153,17 @@ def _trace_in_child(spec: RunSpec, rank: int, *, deadline: float, kernels: str |
 
 
 def _start_child(
-    spec: RunSpec, rank: int, out: Path, kernels: str | None, trace_dir: Path | None = None
+    spec: RunSpec,
+    rank: int,
+    out: Path,
+    kernels: str | None,
+    trace_dir: Path | None = None,
+    *,
+    keep_events: bool = False,
 ) -> tuple[Any, Path]:
     ctx = multiprocessing.get_context("fork")
-    proc = ctx.Process(target=_child, args=(spec, rank, out, kernels, trace_dir), daemon=True)
+    args = (spec, rank, out, kernels, trace_dir, keep_events)
+    proc = ctx.Process(target=_child, args=args, daemon=True)
     proc.start()
     return proc, out
 
@@ -192,18 +203,30 @@ def _kill(proc) -> None:
     proc.join(10)
 
 
-def _child(spec: RunSpec, rank: int, out: Path, kernels: str | None, trace_dir: Path | None = None) -> None:
+def _child(
+    spec: RunSpec,
+    rank: int,
+    out: Path,
+    kernels: str | None,
+    trace_dir: Path | None = None,
+    keep_events: bool = False,
+) -> None:
+    """Trace ``rank`` and write its result to ``out``. ``keep_events``: the step's allocation events as
+    ``events`` (for the trace cache, which replays them against another card's capacity)."""
     import resource
 
     from harness.runner.procs import write_json, write_trace_file
 
     try:
         start = time.perf_counter()
-        result = {"rank": rank, **trace_rank(spec, rank, kernels=kernels, keep_trace=trace_dir is not None)}
+        keep = trace_dir is not None or keep_events
+        result = {"rank": rank, **trace_rank(spec, rank, kernels=kernels, keep_trace=keep)}
+        events = result.pop("trace", None)
         if trace_dir is not None:
-            events = result.pop("trace")
             trace = {"segments": [], "device_traces": [events]}
             result["trace_file"] = write_trace_file(trace_dir, f"{spec_id(spec)}.rank{rank}", trace)
+        elif keep_events and events is not None:
+            result["events"] = events
         result["trace_s"] = time.perf_counter() - start
         usage = resource.getrusage(resource.RUSAGE_SELF)
         # CPU seconds too: on a shared machine the wall time says more about the other processes.

@@ -26,6 +26,15 @@ def gpu_kernels(spec: RunSpec) -> bool:
     return spec.device.name != "cpu"
 
 
+def card_capacity_bytes(spec: RunSpec) -> int:
+    """What the caching allocator may reserve on ``spec``'s card (its memory less the estimated CUDA
+    context and NCCL): the capacity each traced rank's step is replayed against."""
+    from harness.estimate import estimate
+    from harness.estimate.levels import allocator_capacity_bytes
+
+    return allocator_capacity_bytes(estimate(spec))
+
+
 def trace_rank(
     spec: RunSpec, rank: int, *, kernels: str | None = None, keep_trace: bool = False
 ) -> dict[str, Any]:
@@ -37,8 +46,6 @@ def trace_rank(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from harness.estimate import estimate
-    from harness.estimate.levels import allocator_capacity_bytes
     from harness.runner.fake import kernels as fake_kernels
     from harness.runner.measure.peak import PeakMemory
     from harness.runner.model import Llama
@@ -77,7 +84,7 @@ def trace_rank(
             per_rank = (t.micro_batch_size * t.num_microbatches, t.seq_len // p.cp)
             tokens = torch.randint(0, spec.model.vocab_size, per_rank)
             memory = PeakMemory(par.modules, par.optimizer, cpu, allocator=False)
-            memory.capacity_bytes = allocator_capacity_bytes(estimate(spec))
+            memory.capacity_bytes = card_capacity_bytes(spec)
             warm_up(par, tokens, spec)
             with memory.measure():
                 train_step(par, tokens, tokens, num_microbatches=t.num_microbatches)

@@ -215,7 +215,7 @@ def simulated(
     ``expandable_segments``/``max_split_size_mb``: the allocator settings the trace was made under.
     ``sim_segments_opened``: the segments the replay opened (with expandable segments: the times it
     mapped more pages), the counterpart of the trace's own ``segment_alloc``/``segment_map`` events."""
-    from harness.alloc import capacity_verdict, replay
+    from harness.alloc import replay
 
     options = dict(
         initial_segments=initial_segments,
@@ -231,15 +231,28 @@ def simulated(
         "trace_events": r.num_events,
     }
     if capacity_bytes is not None and capacity_bytes > 0:
-        bounded = replay(events, capacity_bytes=capacity_bytes, **options)
         out.update(
-            sim_capacity_bytes=capacity_bytes,
-            sim_capacity_verdict=capacity_verdict(
-                bounded, capacity_bytes, peak_allocated_bytes=r.peak_allocated_bytes
-            ),
-            sim_num_alloc_retries=bounded.num_alloc_retries,
+            capacity_fields(events, capacity_bytes, peak_allocated_bytes=r.peak_allocated_bytes, **options)
         )
     return out
+
+
+def capacity_fields(
+    events: list[dict[str, Any]], capacity_bytes: int, *, peak_allocated_bytes: int, **options
+) -> dict[str, Any]:
+    """The ``sim_capacity_*`` fields of :func:`simulated`: ``events`` replayed against ``capacity_bytes``
+    (``options`` as for :func:`harness.alloc.replay`); ``peak_allocated_bytes`` from the unbounded
+    replay."""
+    from harness.alloc import capacity_verdict, replay
+
+    bounded = replay(events, capacity_bytes=capacity_bytes, **options)
+    return {
+        "sim_capacity_bytes": capacity_bytes,
+        "sim_capacity_verdict": capacity_verdict(
+            bounded, capacity_bytes, peak_allocated_bytes=peak_allocated_bytes
+        ),
+        "sim_num_alloc_retries": bounded.num_alloc_retries,
+    }
 
 
 # The actions of a CUDA trace by which the allocator takes memory from the device: ``segment_alloc``
