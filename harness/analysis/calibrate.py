@@ -29,6 +29,7 @@ from sklearn.utils.validation import check_is_fitted
 
 from harness import __version__
 from harness.analysis import fragmentation as frag
+from harness.analysis.fragmentation import card_outcomes
 from harness.analysis.profile import (
     ENGINES_COMPARED,
     PROFILE_FORMAT,
@@ -43,7 +44,13 @@ from harness.estimate import TERMS, estimate, levels
 from harness.spec import InvalidSpec, RunSpec, from_flat
 
 ESTIMATORS = (*ENGINES_COMPARED, "calibrated")
-GROUPINGS = ("world", "model", "layout")
+GROUPINGS = ("world", "model", "layout", "family")
+GROUP_WORDS = {  # each grouping in words, for tables
+    "world": "world size",
+    "model": "model",
+    "layout": "tp-pp-cp layout",
+    "family": "layout family (pipeline schedule, ZeRO, cp, recomputation)",
+}
 MIB = 2**20
 PAPER_THRESHOLD = 0.8  # Fujii et al. 2024: below 80 % estimated utilisation no run ran out of memory
 
@@ -141,6 +148,10 @@ class Dataset:
     # engine -> the reserved level's mechanism terms at the worst stage (bytes per run; 0 on the CPU):
     # what the fitted fragmentation comes on top of (harness/analysis/fragmentation.py)
     mechanism: dict[str, np.ndarray] = field(default_factory=dict)
+    # engine -> the uncalibrated reserved level as a trace's replay counts it (no cuBLAS workspace,
+    # which a trace does not hold); the memory outside the allocator (CUDA context, NCCL) per run
+    reserved_bytes: dict[str, np.ndarray] = field(default_factory=dict)
+    outside_bytes: np.ndarray | None = None
 
     @property
     def measured(self) -> np.ndarray:
@@ -176,24 +187,44 @@ def prepare(frame: pd.DataFrame) -> Dataset:
             bad.append(f"row {i} ({row.get('config_id')}): {exc}")
     if bad:
         raise CalibrationError("cannot rebuild the spec of some runs: " + "; ".join(bad[:3]))
-    terms, raw, mechanism = {}, {}, {}
+    terms, raw, mechanism, reserved = {}, {}, {}, {}
+    outside = np.zeros(len(specs))
     for engine in ENGINES_COMPARED:
         ests = [estimate(s, engine=engine) for s in specs]
         terms[engine] = pd.DataFrame([peak_terms(e.worst.terms) for e in ests], columns=list(TERMS))
         raw[engine] = np.array([e.total_bytes for e in ests], dtype=float)
         mechanism[engine] = np.array([levels.mechanism_bytes(e) for e in ests], dtype=float)
-    return Dataset(runs, terms, raw, specs, mechanism)
+        reserved[engine] = np.array(
+            [e.reserved_total_bytes - e.reserved_terms()["cublas_workspace"] for e in ests],
+            dtype=float,
+        )
+        outside = np.array([e.outside_allocator_bytes for e in ests], dtype=float)
+    return Dataset(runs, terms, raw, specs, mechanism, reserved, outside)
 
 
 def groups_of(data: Dataset, group_by: str) -> np.ndarray:
-    """The cross-validation group of each run: held-out runs are new world sizes, models or layouts."""
+    """The cross-validation group of each run: held-out runs are new world sizes, models, layouts or
+    layout families."""
     if group_by not in GROUPINGS:
         raise CalibrationError(f"group_by={group_by!r} must be one of {', '.join(GROUPINGS)}")
+    return np.array([group_of(s, group_by) for s in data.specs])
+
+
+def group_of(s: RunSpec, group_by: str) -> int | str:
+    """One run's group (``group_by`` one of :data:`GROUPINGS`). A layout family is the memory
+    mechanisms a layout brings, whatever its degrees: the pipeline schedule (or none), how the data
+    parallel ranks hold the states (DDP, ZeRO-1, FSDP2), context parallelism or not, and what is
+    recomputed — ``1f1b·ddp·cp·full``; a family held out is a combination no fitted run had."""
+    p, t = s.parallel, s.train
     if group_by == "world":
-        return np.array([s.parallel.world for s in data.specs])
+        return p.world
     if group_by == "model":
-        return np.array([json.dumps([s.model.hidden_size, s.model.num_layers]) for s in data.specs])
-    return np.array([f"{s.parallel.tp}-{s.parallel.pp}-{s.parallel.cp}" for s in data.specs])
+        return json.dumps([s.model.hidden_size, s.model.num_layers])
+    if group_by == "layout":
+        return f"{p.tp}-{p.pp}-{p.cp}"
+    states = "ddp" if p.dp * p.cp == 1 or p.zero_stage == 0 else ("zero1" if p.zero_stage == 1 else "fsdp2")
+    parts = [p.pp_schedule if p.pp > 1 else "no-pp", states, *(["cp"] if p.cp > 1 else []), t.recompute]
+    return "·".join(parts)
 
 
 # ----------------------------------------------------------------------------------------- evaluation
@@ -244,12 +275,15 @@ class Evaluation:
         return out
 
 
-def evaluate(frame: pd.DataFrame, *, engine: str = "torch", group_by: str = "world") -> Evaluation:
+def evaluate(
+    frame: pd.DataFrame, *, engine: str = "torch", group_by: str = "world", data: Dataset | None = None
+) -> Evaluation:
     """Fit and judge: the calibrated estimator's predictions are made by a model that never saw the
-    run's group (GroupKFold); the raw engines need no fit and are judged on the same runs."""
+    run's group (GroupKFold); the raw engines need no fit and are judged on the same runs. ``data``:
+    ``prepare(frame)`` when already made (another grouping of the same runs)."""
     if engine not in ENGINES_COMPARED:
         raise CalibrationError(f"engine={engine!r} must be one of {', '.join(ENGINES_COMPARED)}")
-    data = prepare(frame)
+    data = prepare(frame) if data is None else data
     measured = data.measured
     if measured.sum() < 3:
         raise CalibrationError(f"{int(measured.sum())} runs with a measured peak: at least 3 are needed")
@@ -286,6 +320,7 @@ def evaluate(frame: pd.DataFrame, *, engine: str = "torch", group_by: str = "wor
         groups=groups,
         capacity=data.capacity,
         mechanism=data.mechanism.get(engine),
+        on_card=card_outcomes(data.frame),
     )
     fragmentation = None
     if reserved is not None:

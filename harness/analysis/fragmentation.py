@@ -103,6 +103,20 @@ def apply(section: dict[str, Any], *, transient: float, states: float) -> float:
     )
 
 
+# The verdicts of a trace replayed against the card's capacity (harness.alloc.CAPACITY_VERDICTS) that
+# say the step ran out of memory; "fits_after_flush" ran, slower (the cache released and retried).
+RAN_OUT = ("oom_fragmentation", "oom_allocated")
+
+
+def card_outcomes(frame: pd.DataFrame) -> pd.Series | None:
+    """Each run's ``sim_capacity_verdict`` (its trace replayed against what the card's allocator may
+    reserve, issue 32), None where no run has one; missing verdicts are NaN."""
+    column = frame.get("sim_capacity_verdict")
+    if column is None or column.isna().all():
+        return None
+    return column.reset_index(drop=True)
+
+
 def held_out_figures(err: np.ndarray, util: np.ndarray, *, ran_out: np.ndarray, fitted: np.ndarray) -> dict:
     """Errors and the safe threshold, as every level is judged: ``err`` the relative errors of the runs
     with a measurement, ``util`` each run's predicted utilisation; the safe threshold is the lowest
@@ -135,11 +149,14 @@ def evaluate_reserved(
     groups: np.ndarray,
     capacity: np.ndarray,
     mechanism: np.ndarray | None = None,
+    on_card: pd.Series | None = None,
 ) -> ReservedFit | None:
     """Fit the fragmentation on every run with a reserved peak and judge, held out by ``groups``, the
     reserved level ``allocated_held_out + fragmentation`` against it: median and 95th-percentile APE,
     worst under-prediction, and the safe threshold recomputed at the reserved level (a run "runs out"
-    there when its reserved peak exceeds the capacity). None when fewer than ``MIN_RUNS`` runs have one."""
+    there when its trace, replayed against what the card's allocator may reserve, runs out —
+    ``on_card``, :func:`card_outcomes` — and, for a run without that replay, when its reserved peak
+    exceeds the capacity). None when fewer than ``MIN_RUNS`` runs have one."""
     reserved, column = reserved_target(frame)
     rows = measured & ~np.isnan(reserved)
     if column is None or rows.sum() < MIN_RUNS or len(set(groups[rows])) < 2:
@@ -157,7 +174,11 @@ def evaluate_reserved(
     final = FragmentationModel().fit(X.iloc[idx], left[idx])
     err = (held[rows] - reserved[rows]) / reserved[rows]
     util = held / capacity
-    over = rows & (reserved > capacity)  # would have run out at the reserved level
+    over = reserved > capacity  # would have run out at the reserved level
+    if on_card is not None:  # the capacity-aware replay's verdict, where the run has one
+        known = on_card.notna().to_numpy()
+        over = np.where(known, on_card.isin(RAN_OUT).to_numpy(), over)
+    over = rows & over
     metrics = {
         "target": column,
         "runs": int(rows.sum()),

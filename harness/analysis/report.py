@@ -7,21 +7,21 @@ gives the same file.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pandas as pd
 
-from harness.analysis.calibrate import ESTIMATORS, MIB, PAPER_THRESHOLD, Evaluation, evaluate
+from harness.analysis.calibrate import ESTIMATORS, GROUP_WORDS, MIB, PAPER_THRESHOLD, Evaluation, evaluate
 from harness.analysis.markdown import pct as _pct
 from harness.analysis.markdown import table as _table
 from harness.analysis.plots import all_figures, fastest_layout, throughput_unit, world_of
+from harness.analysis.reserved import reserved_section
 from harness.analysis.stages import stages_section
 from harness.analysis.steptime import StepTimeEvaluation, evaluate_step_time
 from harness.estimate.steptime import TERMS as STEP_TIME_TERMS
 from harness.estimate.steptime import UNITS
 from harness.runner.record import STATUSES
-
-GROUP_WORDS = {"world": "world size", "model": "model", "layout": "tp-pp-cp layout"}
 
 
 def layout_label(r: pd.Series) -> str:
@@ -302,18 +302,26 @@ def write_report(
     *,
     out_dir: str | Path,
     results_dir: str,
+    also_results: Sequence[str] = (),
     engine: str = "torch",
     group_by: str = "world",
 ) -> Path:
-    """Evaluate, draw every figure into ``out_dir/figures`` and write ``out_dir/report.md``."""
+    """Evaluate, draw every figure into ``out_dir/figures`` and write ``out_dir/report.md``
+    (``also_results``: the other directories whose runs ``frame`` holds, named in its first lines)."""
     out = Path(out_dir)
     ev = evaluate(frame, engine=engine, group_by=group_by)
     figures = all_figures(ev, frame, out / "figures")
+    dirs = " + ".join([results_dir, *also_results])
+    command = f"harness report results_dir={results_dir}"
+    if also_results:
+        command += f" calibrate.also_results=[{','.join(also_results)}] report.out={out_dir}"
+    if group_by != "world":
+        command += f" calibrate.group_by={group_by}"
+    where = "that directory" if not also_results else "those directories"
     lines = [
-        f"# harness report: `{results_dir}`",
+        f"# harness report: `{dirs}`",
         "",
-        f"Written by `harness report results_dir={results_dir}` from the runs in that directory; every "
-        "number below is computed from them.",
+        f"Written by `{command}` from the runs in {where}; every number below is computed from them.",
         "",
         stack_line(frame),
         "",
@@ -322,6 +330,7 @@ def write_report(
         *memory_section(ev),
         "",
         *stages_section(ev),
+        *_spaced(reserved_section(ev)),
         *calibration_section(ev),
         "",
         *throughput_section(frame),
@@ -349,6 +358,11 @@ def write_report(
     path = out / "report.md"
     path.write_text("\n".join(lines).rstrip() + "\n")
     return path
+
+
+def _spaced(lines: list[str]) -> list[str]:
+    """A section followed by a blank line; nothing for an empty one."""
+    return [*lines, ""] if lines else []
 
 
 def _fragmentation_lines(frag: dict | None) -> str:

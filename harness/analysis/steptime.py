@@ -16,7 +16,7 @@ from sklearn.linear_model import LinearRegression
 from sklearn.model_selection import GroupKFold
 from sklearn.utils.validation import check_is_fitted
 
-from harness.analysis.calibrate import GROUPINGS
+from harness.analysis.calibrate import GROUPINGS, group_of
 from harness.analysis.profile import CalibrationError
 from harness.estimate.steptime import TERMS as STEP_TIME_TERMS
 from harness.estimate.steptime import StepTimeModel
@@ -105,7 +105,8 @@ def step_time_rows(frame: pd.DataFrame) -> pd.DataFrame:
     out["st_world"] = [s.parallel.world for s in specs]
     out["st_model"] = [s.model.name for s in specs]
     out["st_device"] = [s.device.name for s in specs]
-    out["st_layout"] = [f"{s.parallel.tp}-{s.parallel.pp}-{s.parallel.cp}" for s in specs]
+    out["st_layout"] = [group_of(s, "layout") for s in specs]
+    out["st_family"] = [group_of(s, "family") for s in specs]
     out["st_tokens_per_step"] = [s.global_batch_size * s.train.seq_len for s in specs]
     return out
 
@@ -150,7 +151,7 @@ def evaluate_step_time(frame: pd.DataFrame, *, group_by: str = "world") -> StepT
         return None
     device = runs["st_device"].mode()[0]  # one profile per device: the sweep's most common one
     runs = runs[runs["st_device"] == device].reset_index(drop=True)
-    column = {"world": "st_world", "model": "st_model", "layout": "st_layout"}[group_by]
+    column = f"st_{group_by}"
     groups = runs[column].astype(str).to_numpy()
     n_groups = len(set(groups))
     if len(runs) < 5 or n_groups < 2:

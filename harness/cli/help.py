@@ -82,8 +82,12 @@ MEANINGS: dict[str, str] = {
     "calibration": "auto (GPU devices: the committed paper-scale profile; CPU: none) | none | PATH of a "
     "profile (from calibrate): estimate/plan add the calibrated peaks; plan ranks by its fitted step time",
     # calibrate / report
-    "calibrate.group_by": "held-out runs are new: world (sizes) | model | layout (tp-pp-cp)",
+    "calibrate.group_by": (
+        "held-out runs are new: world (sizes) | model | layout (tp-pp-cp) | "
+        "family (schedule, ZeRO, cp, recompute)"
+    ),
     "calibrate.profile": "where calibrate writes the profile (null: <results_dir>/calibration.json)",
+    "calibrate.also_results": "[DIR,...]: more results directories whose runs join results_dir's",
     "report.out": "where report writes report.md and figures/ (null: results_dir)",
     # run
     "run.timeout_s": "a point not finished by then is killed and recorded as status=timeout",

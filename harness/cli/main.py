@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from harness import __version__
 from harness.cli.config import ConfigError, compose, engine_name, run_spec
 from harness.cli.plan import plan_command
-from harness.cli.results import load_runs, report_command, results_command, writable_target
+from harness.cli.results import load_runs, report_command, results_command, results_dirs, writable_target
 from harness.cli.shared import (
     compose_scaled,
     fails_on_nofit,
@@ -151,19 +151,28 @@ def _sweep(overrides: Sequence[str]) -> int:
 
 def _calibrate(overrides: Sequence[str]) -> int:
     from harness.analysis.calibrate import evaluate, profile_of, save_profile
+    from harness.analysis.reserved import reserved_figures
     from harness.analysis.steptime import evaluate_step_time, step_time_section
     from harness.cli.render.calibrate import calibration_table, step_time_table
 
     cfg = compose(overrides)
     fmt, _ = output_settings(cfg)
-    root = str(cfg["results_dir"])
-    target = str(cfg["calibrate"]["profile"] or f"{root}/calibration.json")
+    roots = results_dirs(cfg)
+    if len(roots) > 1 and not cfg["calibrate"]["profile"]:
+        raise ValueError(
+            "calibrate.also_results: name calibrate.profile= (a profile of several directories is not "
+            f"{roots[0]}'s own)"
+        )
+    target = str(cfg["calibrate"]["profile"] or f"{roots[0]}/calibration.json")
     writable_target(target, "calibrate.profile", directory=False)
-    frame = load_runs(root)
+    frame = load_runs(roots)
     group_by = str(cfg["calibrate"]["group_by"])
     ev = evaluate(frame, engine=engine_name(cfg), group_by=group_by)
     st = evaluate_step_time(frame, group_by=group_by)  # None: too few timed runs
-    profile = profile_of(ev, results_dir=root)
+    profile = profile_of(ev, results_dir=" + ".join(roots))
+    reserved = reserved_figures(ev)
+    if reserved:
+        profile["reserved"] = reserved
     if st is not None:
         profile["step_time"] = step_time_section(st)
     path = save_profile(profile, target)
@@ -172,6 +181,7 @@ def _calibrate(overrides: Sequence[str]) -> int:
             "estimators": ev.metrics,
             "per_rank": ev.stage_metrics,
             "fragmentation": ev.fragmentation,
+            "reserved": reserved,
             "profile": str(path),
         }
         if st is not None:
@@ -181,7 +191,7 @@ def _calibrate(overrides: Sequence[str]) -> int:
 
         print(json.dumps(json_envelope(out), indent=2))
     else:
-        print(calibration_table(ev, profile_path=str(path)))
+        print(calibration_table(ev, profile_path=str(path), reserved=reserved))
         if st is not None:
             print("\n" + step_time_table(st))
     return 0

@@ -63,14 +63,20 @@ def report_command(overrides: Sequence[str]) -> int:
     from harness.analysis.report import write_report
 
     cfg = compose(overrides)
-    root = str(cfg["results_dir"])
-    out_dir = cfg["report"]["out"] or root
+    roots = results_dirs(cfg)
+    out_dir = cfg["report"]["out"] or roots[0]
+    if len(roots) > 1 and not cfg["report"]["out"]:
+        raise ValueError(
+            "calibrate.also_results: name report.out= (a report of several directories is not "
+            f"{roots[0]}'s own)"
+        )
     writable_target(str(out_dir), "report.out", directory=True)
-    frame = load_runs(root)
+    frame = load_runs(roots)
     path = write_report(
         frame,
         out_dir=out_dir,
-        results_dir=root,
+        results_dir=roots[0],
+        also_results=roots[1:],
         engine=engine_name(cfg),
         group_by=str(cfg["calibrate"]["group_by"]),
     )
@@ -78,22 +84,40 @@ def report_command(overrides: Sequence[str]) -> int:
     return 0
 
 
-def load_runs(root: str):
-    """The runs of ``root`` (unreadable files named on stderr); a missing or empty directory is an error."""
+def results_dirs(cfg: dict) -> list[str]:
+    """``results_dir`` and the directories of ``calibrate.also_results``, in that order, each once."""
+    also = cfg["calibrate"].get("also_results") or []
+    if isinstance(also, str) or not all(isinstance(d, str) for d in also):
+        raise ValueError(f"calibrate.also_results={also!r} must be a list of directories, e.g. [DIR,DIR]")
+    return list(dict.fromkeys([str(cfg["results_dir"]), *also]))
+
+
+def load_runs(roots: str | Sequence[str]):
+    """The runs of one results directory or several (unreadable files named on stderr); a missing
+    directory, or none holding a run, is an error. Several directories' rows are one frame (a point run
+    in two of them counts twice: each row is a run)."""
     from pathlib import Path
+
+    import pandas as pd
 
     from harness.sweep.store import load_results
 
-    if not Path(root).is_dir():
-        raise ValueError(f"results_dir={root} is not a directory")
-    frame, bad = load_results(root)
-    for line in bad:
-        print(f"unreadable: {line}", file=sys.stderr)
+    roots = [roots] if isinstance(roots, str) else list(roots)
+    key = "results_dir" if len(roots) == 1 else "results_dir/calibrate.also_results"
+    frames = []
+    for root in roots:
+        if not Path(root).is_dir():
+            raise ValueError(f"{key}: {root} is not a directory")
+        frame, bad = load_results(root)
+        for line in bad:
+            print(f"unreadable: {line}", file=sys.stderr)
+        frames.append(frame)
+    frame = frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
     frame, unusable = usable_runs(frame)
     for line in unusable:
         print(f"unusable: {line}", file=sys.stderr)
     if frame.empty:
-        raise ValueError(f"results_dir={root} holds no runs")
+        raise ValueError(f"results_dir={' + '.join(roots)} holds no runs")
     return frame
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-def calibration_table(ev, *, profile_path: str) -> str:
+def calibration_table(ev, *, profile_path: str, reserved: dict | None = None) -> str:
     """``harness calibrate``'s table: every estimator's held-out accuracy, then the fitted profile."""
     n = ev.data.measured.sum()
     lines = [
@@ -48,6 +48,24 @@ def calibration_table(ev, *, profile_path: str) -> str:
             f"  held out at the reserved level: median APE {h['median_ape']:.1%}, p95 {h['p95_ape']:.1%}, "
             f"worst under {h['max_under_prediction']:.1%}, safe threshold {safe}",
         ]
+    if reserved:  # (harness/analysis/reserved.py)
+        lines.append(f"reserved level against {reserved['target']}:")
+        for name, m in reserved["predictions"].items():
+            lines.append(
+                f"  {name:<32} median {m['median_error']:+.1%}, median APE {m['median_ape']:.1%}, "
+                f"p95 {m['p95_ape']:.1%}, worst under {m['max_under_prediction']:.1%} ({m['runs']} runs)"
+            )
+        card = reserved["on_card"]
+        if card:
+            counts = ", ".join(f"{k} {n}" for k, n in sorted(card["verdicts"].items()))
+            lines.append(f"on the card ({card['runs']} runs replayed against its capacity): {counts}")
+            for name, m in card["levels"].items():
+                safe = "none" if m["safe_threshold"] is None else f"{m['safe_threshold']:.1%}"
+                lines.append(
+                    f"  {name:<20} safe threshold {safe} (excl. {m['excluded_at_safe']}), under 80 %: "
+                    f"{m['out_under_paper_threshold']} out of memory, {m['flushed_under_paper_threshold']} "
+                    f"after cache flushes; fitting over 80 %: {m['fitting_over_paper_threshold']}"
+                )
     return "\n".join(lines)
 
 
