@@ -303,7 +303,8 @@ def recompute_working_set(
 
 def checkpointed_casts(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast: bool) -> int:
     """The BF16 weight casts of checkpointed blocks that are gone by the backward's peak (torch, bytes
-    per rank; :func:`states.param_copies` counts every weight's cast as kept). A checkpoint drops what
+    per rank; :func:`states.param_copies` counts every weight's cast as kept); they are alive at the
+    forward's end, a candidate peak of its own (``stage.forward_end``). A checkpoint drops what
     its matmuls would save, and torchtitan's op policy saves matmul outputs, never the casts, so only
     autocast's cache holds them — until the autocast region ends. The runner's region is one
     micro-batch's forward without a pipeline (``compose.train_step``: backward runs after it), so the
@@ -320,6 +321,18 @@ def checkpointed_casts(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast:
         return 0
     covered = m.num_layers // p.pp if t.recompute == "op" else recomputed_layers(m, p, t) * p.virtual_stages
     return 2 * layer_params(m, tp=p.tp) * covered
+
+
+def forward_end_loss_chain(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> tuple[int, int]:
+    """(logits, loss) the last stage holds at the end of its forward without a pipeline — the loss
+    computed, its backward not begun — where :func:`logits` and :func:`harness.estimate.buffers.loss`
+    count its backward's larger chain: the head's output in the compute dtype, the fused loss's FP32
+    upcast and the FP32 log-softmax it saves (2 × 4 B per logit), vocabulary-sharded over c. Traced (``run.mode=fake``, Llama-3-8B, one rank per 8 on an H100,
+    ZeRO-1, tp 1, s 2048, op): the forward end held 2 + 8 B per logit beside every weight's cast (the
+    engine, with them, equal to the trace to 0.01 %). Only asked without tensor parallelism
+    (``stage.forward_end``)."""
+    sbv = t.seq_len * t.micro_batch_size * m.vocab_size // (p.tp * p.cp)
+    return elem_bytes(t.precision) * sbv, 8 * sbv
 
 
 def backward_working_set(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
