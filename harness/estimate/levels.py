@@ -19,7 +19,13 @@ from harness.estimate.terms import peak_bytes
 from harness.spec import RunSpec
 
 MIB = 1 << 20
-RESERVED_TERMS = ("segment_rounding", "reduce_stream", "optimizer_step_segments", "cublas_workspace")
+RESERVED_TERMS = (
+    "segment_rounding",
+    "reduce_stream",
+    "fsdp_root",
+    "optimizer_step_segments",
+    "cublas_workspace",
+)
 OUTSIDE_TERMS = ("cuda_context", "nccl")
 # Temporary buffers that are one tensor each, allocated and freed once per use: the caching allocator
 # opens a segment of their own for them when no cached block is large enough.

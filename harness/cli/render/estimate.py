@@ -11,6 +11,7 @@ MAX_STAGE_COLUMNS = 6
 # The reserved level's mechanism terms (harness.estimate.segments), printed where they are not 0.
 SEGMENT_LABELS = (
     ("reduce_stream", "gradient-reduction stream"),
+    ("fsdp_root", "FSDP2 root unit's cached blocks"),
     ("optimizer_step_segments", "optimizer step's new segments"),
 )
 
