@@ -1,0 +1,37 @@
+"""Under tensor parallelism and FSDP2 accumulating unsharded gradients over micro-batches, the
+embedding's gradient is the whole vocabulary matrix in FP32 (harness/estimate/stage.py
+``fsdp_replicated_embedding_grad``): traced in fake mode with CUDA's kernels at Llama-3-8B's widths."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from conftest import spec, trace_all
+
+from harness.estimate import estimate
+
+
+def _llama3_8b(layers: int, **overrides):
+    s = spec("llama3_8b", "h100_80gb", train_precision="bf16", **overrides)
+    return dataclasses.replace(s, model=dataclasses.replace(s.model, num_layers=layers))
+
+
+def test_fsdp2_under_tensor_parallelism_accumulates_the_whole_embedding_gradient():
+    """Llama-3-8B at 2 blocks, tp 2 × dp 2, ZeRO-3, s 1024, 2 micro-batches: the engine within 2 % of
+    the traced peak (1.7 % under: 183 MiB left unnamed at this small shape; at 32 blocks and s 8192,
+    tp 2-4, the extended paper grid's FSDP2 points read −0.1 to +0.3 %); without the whole FP32
+    embedding gradient (4·v·h/2 = 1,002 MiB more than the shard) it was 11 % under."""
+    s = _llama3_8b(
+        2,
+        parallel_tp=2,
+        parallel_dp=2,
+        parallel_zero_stage=3,
+        train_seq_len=1024,
+        train_num_microbatches=2,
+    )
+    est = estimate(s)
+    record, _ = trace_all(s)
+    assert record["peak_allocated_bytes"] == pytest.approx(est.total_bytes, rel=0.02)
+    v, h = s.model.vocab_size, s.model.hidden_size
+    assert est.worst.terms["grads"] >= 4 * v * h  # the whole matrix, not its half
