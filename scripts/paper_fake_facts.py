@@ -1,6 +1,7 @@
 """The engines against the fake-tensor traces of the published grids (issue 14 items 3 and 4).
 
-For each results directory (default: results/paper_fake/a100_40gb and h100_94gb) and for them together:
+For each results directory (default: results/paper_fake/a100_40gb, h100_94gb and the extended grid of
+issue 32) and for them together:
 - how far each engine's allocated-level estimate is from the traced peak (the worst traced rank):
   median and p95 of the absolute error, the worst under-prediction, and the share within 2 % both ways
   (issue 14's goal for the torch engine: at least 95 % of points);
@@ -26,7 +27,7 @@ from harness.analysis.report import layout_label
 from harness.estimate import ENGINES, estimate
 from harness.sweep.store import load_results
 
-DEFAULT = ["results/paper_fake/a100_40gb", "results/paper_fake/h100_94gb"]
+DEFAULT = ["results/paper_fake/a100_40gb", "results/paper_fake/h100_94gb", "results/paper_fake/extended"]
 RULE = 0.8
 
 
