@@ -194,10 +194,10 @@ def forward_end(
 def fsdp_replicated_embedding_grad(spec: RunSpec, terms: dict[str, int]) -> int:
     """Without a pipeline, under tensor parallelism and FSDP2 (ZeRO-3) accumulating unsharded gradients
     across micro-batches (``train.grad_sync=last``; ``states.torch_grads_at_peak``: "accumulated"),
-    the layouts traced: DTensor has no vocabulary-sharded rule for the
-    embedding's backward (``peaks.replicated_embedding_grad``), so the gradient FSDP2 accumulates for
-    the embedding is the whole v·h matrix in FP32, not its 1/t shard, from the first micro-batch's
-    backward to the last one's reduce-scatter. Traced (``run.mode=fake``, Llama-3-8B tp 4 × dp 2,
+    the layouts traced. DTensor has no vocabulary-sharded rule for the embedding's backward
+    (``peaks.replicated_embedding_grad``), so the gradient FSDP2 accumulates for the embedding is the
+    whole v·h matrix in FP32, not its 1/t shard, from the first micro-batch's backward to the last
+    one's reduce-scatter. Traced (``run.mode=fake``, Llama-3-8B tp 4 × dp 2,
     ZeRO-3, op, s 8192, 8 micro-batches): a 2,004 MiB FP32 block at the peak where the shard is
     501 MiB; the engine read 4.6 % under without it. Not traced, so not counted: ZeRO-2, a pipeline,
     gradients reduced every micro-batch (torchtitan's default). Llama-3-70B tp 8 with full
