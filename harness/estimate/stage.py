@@ -49,7 +49,7 @@ def _state_terms(
         states = st.megatron_states(n, zero_stage=zero, shards=shards, precision=precision)
     else:
         states = st.torch_states(n, zero_stage=zero, shards=shards, precision=precision, partition=partition)
-    step_grads = 0
+    step_grads = unsharded = 0
     if grads_at_peak == "none":  # made in backward, gone after the step: the step's term only
         states["grads"], step_grads = 0, states["grads"]
     elif grads_at_peak == "kept_and_accumulated":  # DDP's buckets and no_sync's own gradients
@@ -59,8 +59,12 @@ def _state_terms(
         # and a BF16 gradient is upcast as it is kept (FSDPParam.to_accumulated_grad_if_needed, torch
         # 2.13 _fully_shard/_fsdp_param.py): 4 B per parameter in either precision. Traced: Llama-3.1-
         # 405B, tp 8 × dp 16, ZeRO-3, 8 micro-batches, BF16, rank 0 held 189 GiB of them, where 2 B
-        # per parameter (the compute dtype, as counted before) said 94.5.
-        states["grads"] = 4 * n
+        # per parameter (the compute dtype, as counted before) said 94.5. The last backward
+        # reduce-scatters them to their FP32 shards before the optimizer step: the shard is the state,
+        # the rest a forward/backward term (``grad_reduce``), not on the step's side. Traced:
+        # Llama-3-70B tp 8 × dp 4, ZeRO-3, full recomputation, 64.90 GiB at the second micro-batch,
+        # where the step's candidate over every unsharded gradient read 69.77 (+7.5 %).
+        unsharded = 4 * n - states["grads"]
     items = (
         *states.items(),
         (
@@ -80,7 +84,7 @@ def _state_terms(
                 m, stage=stage, pp=pp, tp=tp, zero_stage=zero, precision=precision, engine=engine
             ),
         ),
-        ("grad_reduce", buf.grad_reduce(m, tp=tp, zero_stage=zero, shards=shards, engine=engine)),
+        ("grad_reduce", buf.grad_reduce(m, tp=tp, zero_stage=zero, shards=shards, engine=engine) + unsharded),
         ("step_grads", step_grads),
         (
             "optimizer_step",
@@ -200,12 +204,11 @@ def fsdp_replicated_embedding_grad(spec: RunSpec, terms: dict[str, int]) -> int:
     one's reduce-scatter. Traced (``run.mode=fake``, Llama-3-8B tp 4 × dp 2,
     ZeRO-3, op, s 8192, 8 micro-batches): a 2,004 MiB FP32 block at the peak where the shard is
     501 MiB; the engine read 4.6 % under without it. Not traced, so not counted: ZeRO-2, a pipeline,
-    gradients reduced every micro-batch (torchtitan's default). Llama-3-70B tp 8 with full
-    recomputation reads 7.5-8.5 % over with it (3 % without): its peak is not yet traced to a term.
-    Mutates ``terms`` (``grads``); returns the bytes added."""
+    gradients reduced every micro-batch (torchtitan's default). Mutates ``terms`` (``grad_reduce``);
+    returns the bytes added."""
     m, p = spec.model, spec.parallel
     extra = 4 * m.vocab_size * m.hidden_size - 4 * (m.vocab_size * m.hidden_size // p.tp)
-    terms["grads"] += extra
+    terms["grad_reduce"] += extra  # (unsharded, like the rest: gone by the optimizer step)
     return extra
 
 
@@ -256,7 +259,7 @@ def stage_estimate(spec: RunSpec, stage: int, engine: str) -> StageEstimate:
         and t.grad_sync == "last"
         and grads == "accumulated"
     ):
-        states += fsdp_replicated_embedding_grad(spec, terms)
+        buffers += fsdp_replicated_embedding_grad(spec, terms)
     if (
         engine == "torch"
         and stage == 0

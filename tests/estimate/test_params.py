@@ -133,7 +133,11 @@ def test_torch_ddp_gradient_accumulation_holds_a_second_gradient_copy():
         n = stage_params(one.model, stage=0, pp=1, tp=1)
         assert estimate(acc).worst.terms["grads"] == 2 * estimate(one).worst.terms["grads"] == 8 * n
     fsdp = spec("tiny", parallel_dp=2, parallel_zero_stage=2, train_num_microbatches=3)
-    assert estimate(fsdp).worst.terms["grads"] == 4 * stage_params(fsdp.model, stage=0, pp=1, tp=1)
+    terms = estimate(fsdp).worst.terms
+    n = stage_params(fsdp.model, stage=0, pp=1, tp=1)
+    # the FP32 shard is the state; the rest of the unsharded copy is gone by the optimizer step
+    assert terms["grads"] == 4 * n // 2
+    assert terms["grads"] + terms["grad_reduce"] == 4 * n
 
 
 def test_torch_zero3_backward_end_is_the_peak_under_full_recomputation():

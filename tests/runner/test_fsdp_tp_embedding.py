@@ -10,6 +10,7 @@ import pytest
 from conftest import spec, trace_all
 
 from harness.estimate import estimate
+from harness.estimate.params import stage_params
 
 
 def _llama3_8b(layers: int, **overrides):
@@ -34,4 +35,31 @@ def test_fsdp2_under_tensor_parallelism_accumulates_the_whole_embedding_gradient
     record, _ = trace_all(s)
     assert record["peak_allocated_bytes"] == pytest.approx(est.total_bytes, rel=0.02)
     v, h = s.model.vocab_size, s.model.hidden_size
-    assert est.worst.terms["grads"] >= 4 * v * h  # the whole matrix, not its half
+    # the whole matrix, not its half, beside the other unsharded gradients until the reduce-scatter
+    assert est.worst.terms["grad_reduce"] >= 4 * v * h // 2
+
+
+@pytest.mark.slow
+def test_fsdp2_accumulated_gradients_are_sharded_by_the_optimizer_step():
+    """FSDP2 accumulating unsharded FP32 gradients over micro-batches reduce-scatters them in the last
+    backward: at the optimizer step only the shards are left. Llama-3-70B tp 8 × dp 4, ZeRO-3, full
+    recomputation, s 8192, 8 micro-batches (the step's temporaries outweigh what forward and backward
+    hold): traced 64.90 GiB; the engine within 0.5 %, where the step over every unsharded gradient
+    read 69.77 GiB (+7.5 %). About two minutes here."""
+    s = spec(
+        "llama3_70b",
+        "h100_80gb",
+        train_precision="bf16",
+        parallel_tp=8,
+        parallel_dp=4,
+        parallel_zero_stage=3,
+        parallel_fsdp_reshard_after_forward="always",
+        train_recompute="full",
+        train_seq_len=8192,
+        train_num_microbatches=8,
+        train_grad_sync="last",
+    )
+    est = estimate(s)
+    record, _ = trace_all(s)
+    assert record["peak_allocated_bytes"] == pytest.approx(est.total_bytes, rel=0.005)
+    assert est.worst.terms["grads"] == 4 * stage_params(s.model, stage=0, pp=1, tp=8) // 4
