@@ -137,3 +137,10 @@ def scripted_tracing(monkeypatch, finishes, results):
 
 def ok_trace(peak, extra=None):
     return {"peak_allocated_bytes": peak, "extra": extra}
+
+
+def cut(model_name: str, layers: int, device_name: str = "cpu", **overrides) -> RunSpec:
+    """``spec(model_name, device_name, **overrides)`` with the model cut to ``layers`` blocks (its widths
+    kept: a paper-scale mechanism traced in seconds)."""
+    s = spec(model_name, device_name, **overrides)
+    return dataclasses.replace(s, model=dataclasses.replace(s.model, num_layers=layers))

@@ -122,11 +122,19 @@ def held_out_figures(err: np.ndarray, util: np.ndarray, *, ran_out: np.ndarray, 
     with a measurement, ``util`` each run's predicted utilisation; the safe threshold is the lowest
     utilisation of a run that ran out (None when none did), and ``excluded_at_safe`` counts the runs
     that fitted at or above it."""
-    safe = float(util[ran_out].min()) if ran_out.any() else None
     return {
         "median_ape": float(np.median(np.abs(err))),
         "p95_ape": float(np.percentile(np.abs(err), 95)),
         "max_under_prediction": float(max(0.0, (-err).max())),
+        **safe_threshold(util, ran_out=ran_out, fitted=fitted),
+    }
+
+
+def safe_threshold(util: np.ndarray, *, ran_out: np.ndarray, fitted: np.ndarray) -> dict[str, Any]:
+    """``safe_threshold``: the lowest predicted utilisation of a run that ran out (None when none did);
+    ``excluded_at_safe``: the runs that fitted at or above it."""
+    safe = float(util[ran_out].min()) if ran_out.any() else None
+    return {
         "safe_threshold": safe,
         "excluded_at_safe": int((fitted & (util >= safe)).sum()) if safe is not None else 0,
     }

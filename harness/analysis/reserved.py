@@ -33,7 +33,7 @@ from harness.analysis.calibrate import (
     Evaluation,
     evaluate,
 )
-from harness.analysis.fragmentation import RAN_OUT, card_outcomes, reserved_target
+from harness.analysis.fragmentation import RAN_OUT, card_outcomes, reserved_target, safe_threshold
 from harness.analysis.markdown import pct, table
 
 # The groupings every reserved prediction is also judged by (issue 32 item 2: held out by model and by
@@ -119,10 +119,8 @@ def on_card_metrics(ev: Evaluation, pred: ReservedPredictions | None = None) -> 
     rows = {}
     for name, level in levels.items():
         util = level / memory
-        safe = float(util[ran_out].min()) if ran_out.any() else None
         rows[name] = {
-            "safe_threshold": safe,
-            "excluded_at_safe": int((fitted & (util >= safe)).sum()) if safe is not None else 0,
+            **safe_threshold(util, ran_out=ran_out, fitted=fitted),
             "out_under_paper_threshold": int((ran_out & (util <= PAPER_THRESHOLD)).sum()),
             "flushed_under_paper_threshold": int((flushed & (util <= PAPER_THRESHOLD)).sum()),
             "fitting_over_paper_threshold": int((fitted & (util > PAPER_THRESHOLD)).sum()),

@@ -181,9 +181,8 @@ def forward_end(
     op: the backward's figure within 2.4 %), so there the backward's peak stands.
     Mutates ``terms``; returns (buffers, activations)."""
     m, p, t = spec.model, spec.parallel, spec.train
-    autocast = True
     loss_chain = terms["logits"] + terms["loss"]
-    working = act.recompute_working_set(m, p, t, engine="torch", fused_norm=fused_norm, autocast=autocast)
+    working = act.recompute_working_set(m, p, t, engine="torch", fused_norm=fused_norm, autocast=True)
     gradients = act.backward_working_set(m, p, t)
     backward_only = working - min(working, loss_chain) + max(0, gradients - loss_chain)
     logits, loss = act.forward_end_loss_chain(m, p, t)

@@ -5,18 +5,11 @@ fake mode with CUDA's kernels at Llama-3-8B's shapes, where the casts are what d
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
-from conftest import spec, trace_all
+from conftest import cut, trace_all
 
 from harness.estimate import estimate
 from harness.estimate.params import layer_params
-
-
-def _llama3_8b(layers: int, **overrides):
-    s = spec("llama3_8b", "h100_80gb", train_precision="bf16", **overrides)
-    return dataclasses.replace(s, model=dataclasses.replace(s.model, num_layers=layers))
 
 
 @pytest.mark.parametrize("recompute", ["op", "full"])
@@ -25,8 +18,11 @@ def test_the_forward_end_with_every_cast_is_the_peak_without_tensor_parallelism(
     sharded, below the forward/backward): the most-loaded traced rank's peak equals the engine's to
     0.2 %, the engine's peak holding every block's BF16 cast (the backward-only figure, casts dropped,
     was 3.7 % under)."""
-    s = _llama3_8b(
+    s = cut(
+        "llama3_8b",
         4,
+        "h100_80gb",
+        train_precision="bf16",
         train_seq_len=2048,
         train_recompute=recompute,
         train_num_microbatches=2,
@@ -43,7 +39,16 @@ def test_the_forward_end_with_every_cast_is_the_peak_without_tensor_parallelism(
 def test_under_tensor_parallelism_the_backward_peak_stands():
     """tp 2 (DTensor weights: no cast of theirs was alive at the traced peaks): the engine keeps the
     backward's figure, without the checkpointed casts."""
-    s = _llama3_8b(4, train_seq_len=1024, train_recompute="full", parallel_tp=2, train_num_microbatches=2)
+    s = cut(
+        "llama3_8b",
+        4,
+        "h100_80gb",
+        train_precision="bf16",
+        train_seq_len=1024,
+        train_recompute="full",
+        parallel_tp=2,
+        train_num_microbatches=2,
+    )
     est = estimate(s)
     casts = 2 * layer_params(s.model, tp=2) * s.model.num_layers
     assert est.worst.terms["param_copies"] < casts

@@ -4,18 +4,11 @@ embedding's gradient is the whole vocabulary matrix in FP32 (harness/estimate/st
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
-from conftest import spec, trace_all
+from conftest import cut, spec, trace_all
 
 from harness.estimate import estimate
 from harness.estimate.params import stage_params
-
-
-def _llama3_8b(layers: int, **overrides):
-    s = spec("llama3_8b", "h100_80gb", train_precision="bf16", **overrides)
-    return dataclasses.replace(s, model=dataclasses.replace(s.model, num_layers=layers))
 
 
 def test_fsdp2_under_tensor_parallelism_accumulates_the_whole_embedding_gradient():
@@ -23,8 +16,11 @@ def test_fsdp2_under_tensor_parallelism_accumulates_the_whole_embedding_gradient
     the traced peak (1.7 % under: 183 MiB left unnamed at this small shape; at 32 blocks and s 8192,
     tp 2-4, the extended paper grid's FSDP2 points read −0.1 to +0.3 %); without the whole FP32
     embedding gradient (4·v·h/2 = 1,002 MiB more than the shard) it was 11 % under."""
-    s = _llama3_8b(
+    s = cut(
+        "llama3_8b",
         2,
+        "h100_80gb",
+        train_precision="bf16",
         parallel_tp=2,
         parallel_dp=2,
         parallel_zero_stage=3,
