@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from harness.runner.procs import HOST_FAULT_EXIT, HostFault, Terminated
+from harness.runner.procs import HOST_FAULT_EXIT, HostFault, SlurmSignal, Terminated
 from harness.runner.record import finish_record
 from harness.spec import RunSpec
 
@@ -136,14 +136,23 @@ def point_record(
     # Ranks a supervisor killed (stragglers after a failure, or everyone at the deadline) are not the
     # cause of anything.
     failed = [(r, c, ranks[r]) for r, c in sorted(codes.items()) if c != 0 and r not in killed_here]
-    outside = [r for r, _, info in failed if (info.get("error") or "").startswith(f"{Terminated.__name__}:")]
-    if outside:
-        # A rank forked from this supervisor inherits its SIGTERM handler and ends with Terminated: the
-        # signal came from outside (``kill`` of the sweep's process group, as a shell's job control or a
-        # tool stopping a job sends it), not from the point. Seen: an interrupted local sweep left a
-        # `crash` row "Terminated: SIGTERM" that its resume never ran again. No row, as when SIGTERM
-        # reaches the supervisor itself.
-        raise Terminated(f"SIGTERM reached rank {outside[0]}: the point has no outcome")
+    # A rank forked from this supervisor inherits its signal handlers and can end on a signal meant for
+    # the whole point before the supervisor sees it: not the point's outcome.
+    signalled = {
+        kind: [r for r, _, info in failed if (info.get("error") or "").startswith(f"{kind.__name__}:")]
+        for kind in (Terminated, SlurmSignal)
+    }
+    if signalled[Terminated]:
+        # SIGTERM from outside (``kill`` of the sweep's process group, as a shell's job control or a tool
+        # stopping a job sends it). Seen: an interrupted local sweep left a `crash` row "Terminated:
+        # SIGTERM" that its resume never ran again. No row, as when SIGTERM reaches the supervisor itself.
+        raise Terminated(f"SIGTERM reached rank {signalled[Terminated][0]}: the point has no outcome")
+    if signalled[SlurmSignal]:
+        # Slurm's time-limit warning (or its TERM) reached every process of the job step, and this rank
+        # ended on it first: the point was cut short, as when the supervisor is signalled (a `timeout`
+        # row, harness.sweep.launch.run_job), not a crash of the rank's own.
+        r = signalled[SlurmSignal][0]
+        raise SlurmSignal(f"{ranks[r]['error'].removeprefix('SlurmSignal: ')} (it reached rank {r} first)")
     stuck = sorted(killed_here)
     if failed and stuck and all(_symptom(entry) for entry in failed):
         # Every rank that ended did so on a peer's absence, and the ranks still running when the

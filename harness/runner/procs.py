@@ -27,6 +27,19 @@ class Terminated(BaseException):
     through; the command line turns it into one line and exit status 143 (128 + SIGTERM)."""
 
 
+class SlurmSignal(BaseException):
+    """Slurm signalled the job (submitit's ``--signal=USR2@…`` before the time limit, TERM at the limit or
+    a preemption) and reached the supervisor or one of its ranks: the point is cut short, its ranks are
+    reaped and its row says ``timeout`` (harness.sweep.launch.run_job). A BaseException, as
+    :class:`Terminated`: no handler of ordinary errors on the way (a file read that tolerates a broken
+    report) may swallow it and let the point end as a rank's ``crash`` (CI, stop 39: a time-limited
+    point's row said ``crash``)."""
+
+
+def raise_slurm_signal(signum, frame):
+    raise SlurmSignal(f"Slurm sent {signal.Signals(signum).name}: the job's time limit (or a preemption)")
+
+
 # The machine's fault, not the point's: no room or no write access where the supervisor or a rank keeps
 # its files (TMPDIR, results_dir), too many open files. Issue 29: a full TMPDIR turned 6 of 8 points into
 # `crash` rows that counted as done. Such a point has no outcome: no record, and the sweep stops.

@@ -14,7 +14,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from harness.runner.procs import host_fault
+from harness.runner.procs import SlurmSignal, host_fault, raise_slurm_signal
 from harness.runner.record import invalid_record
 from harness.spec import InvalidSpec, canonical, config_spec, spec_id
 from harness.sweep import claims
@@ -214,14 +214,6 @@ def _tag(row: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-class SlurmSignal(Exception):
-    """Slurm signalled the job: its time limit is near (submitit's --signal=USR2@…) or it is ending."""
-
-
-def _raise_slurm_signal(signum, frame):
-    raise SlurmSignal(f"Slurm sent {signal.Signals(signum).name}: the job's time limit (or a preemption)")
-
-
 def slurm_task(results_dir: str, cid: str):
     """Under a Slurm job of several tasks (a point wider than one node: ``nodes`` > 1, or
     ``tasks_per_node`` > 1, e.g. one task per GPU), this task's place among them; None otherwise.
@@ -331,13 +323,13 @@ def _run_claimed(cfg: dict[str, Any], cid: str, task, *, token: str | None = Non
     start = time.monotonic()
     previous = {}
     if os.environ.get("SLURM_JOB_ID"):
-        previous = {s: signal.signal(s, _raise_slurm_signal) for s in (signal.SIGUSR2, signal.SIGTERM)}
+        previous = {s: signal.signal(s, raise_slurm_signal) for s in (signal.SIGUSR2, signal.SIGTERM)}
     try:
         from harness.runner.fake.run import run_configured
 
         # run.mode real or fake
         row = run_configured(spec_of(cfg), cfg["run"], task=task, artifacts=run_artifacts(cfg))
-    except Exception as exc:  # the supervisor failed or was interrupted: still one row
+    except (Exception, SlurmSignal) as exc:  # the supervisor failed or was interrupted: still one row
         if host_fault(exc):  # ... unless the machine failed it (a full TMPDIR): no outcome, no row
             raise SystemExit(
                 f"harness sweep: error: {cid} not run: this machine failed it, not the point: "

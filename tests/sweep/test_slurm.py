@@ -96,7 +96,7 @@ def test_points_run_as_slurm_jobs_and_a_time_limit_kill_is_a_row(tmp_path):
     assert set(short["status"]) == {"ok"}
     assert sorted(short["launch_tasks"]) == [1, 2]
     assert sorted(long["env_slurm_nodelist"]) == ["harness-n1", "harness-n[1-2]"]
-    assert set(long["status"]) == {"timeout"}
+    assert set(long["status"]) == {"timeout"}, long[["status", "error"]].to_dict("records")
     assert long["error"].str.contains("Slurm sent SIGUSR2").all()
     # Slurm's own record: every job, the signalled ones included, ended by itself (COMPLETED) after
     # writing its row, before Slurm's kill at the limit (which would read TIMEOUT).

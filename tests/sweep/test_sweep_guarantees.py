@@ -490,3 +490,31 @@ def test_a_path_is_given_as_it_is_in_every_command(tmp_path):
     assert status.returncode == 0 and "1 runs" in status.stdout, status.stdout + status.stderr
     missing = harness_cli("estimate", "model=tiny", f"calibration={odd / 'none.json'}")
     assert missing.returncode == 2 and "none.json" in missing.stderr  # read as the path, not a parse error
+
+
+def test_slurms_time_limit_signal_reaching_a_rank_first_is_the_points_timeout(tmp_path, monkeypatch):
+    """Under Slurm the time-limit warning (USR2) reaches every process of the job step, and a rank that
+    inherited the job's handler can end on it before its supervisor sees it: CI, stop 39, such a
+    point's row said ``crash`` ("SlurmSignal: ..." as the rank's own error). Here the rank alone is
+    signalled: the row says ``timeout`` with Slurm's reason, as when the supervisor is."""
+    import signal
+
+    import harness.runner.worker as worker
+
+    real = worker.train_step
+
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGUSR2)  # in the forked rank: its supervisor is not signalled
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(worker, "train_step", signalled)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")  # run_job installs the Slurm handlers
+    cfg = config(tmp_path, "++sweep.claim=t", "train.steps=2")
+    before = signal.getsignal(signal.SIGUSR2)
+    assert run_job(cfg) == "timeout"
+    assert signal.getsignal(signal.SIGUSR2) == before  # the job's own handler is back
+    frame, bad = load_results(tmp_path)
+    assert bad == [] and frame["status"].tolist() == ["timeout"]
+    error = frame["error"].iloc[0]
+    assert error.startswith("Slurm sent SIGUSR2: the job's time limit"), error
+    assert error.endswith("(it reached rank 0 first)"), error
