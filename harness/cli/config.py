@@ -219,7 +219,7 @@ def engine_name(cfg: dict[str, Any]) -> str:
 # The CPU models: every other model (a published preset, a model.hf_config) is GPU-scale. Every command
 # applies the same defaults to it (estimate, plan, run, and sweep without a study), so that one set of
 # overrides is one configuration and one config_id everywhere (issue 28).
-CPU_MODELS = ("tiny", "small", "medium")
+CPU_MODELS = ("tiny", "small", "medium", "tiny_moe")
 # What estimate and plan judge a GPU-scale model on unless told otherwise: the published study's
 # H100 device and training shape (Fujii et al. 2024; sweeps/study/paper_h100_94gb.yaml).
 GPU_DEFAULTS = {"device": "h100_94gb", "train": "paper"}

@@ -36,6 +36,7 @@ Sharding by tensor (t) and context (c) parallelism:
 from __future__ import annotations
 
 from harness.estimate.dtypes import elem_bytes, norm_elem_bytes, norm_tensors
+from harness.estimate.moe import moe_backward_working_set, moe_layer_bytes
 from harness.estimate.params import layer_params
 from harness.spec import ModelSpec, ParallelSpec, TrainSpec
 
@@ -95,8 +96,12 @@ def layer_activation_bytes(
     norm_elem = norm_elem_bytes(t, engine=engine, fused_norm=fused_norm, autocast=autocast)
     if autocast:
         inputs = 5 * sbh // inputs_div  # Q, K, V; gate, up: one BF16 cast each
+    moe = 0
+    if m.moe:  # the MLP is a mixture of experts: its input and what it keeps (harness/estimate/moe.py)
+        inputs, mlp = inputs - (2 if autocast else 1) * sbh // inputs_div, 0
+        moe = moe_layer_bytes(m, p, t, autocast=autocast)
     rope = rope_table_bytes(m, p, t) if engine == "torch" else 0
-    return elem_bytes(t.precision) * (inputs + q_out + kv + mlp + mask) + math + norm_elem * norm + rope
+    return elem_bytes(t.precision) * (inputs + q_out + kv + mlp + mask) + math + norm_elem * norm + rope + moe
 
 
 def rope_table_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
@@ -323,18 +328,6 @@ def checkpointed_casts(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast:
     return 2 * layer_params(m, tp=p.tp) * covered
 
 
-def forward_end_loss_chain(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> tuple[int, int]:
-    """(logits, loss) the last stage holds at the end of its forward without a pipeline — the loss
-    computed, its backward not begun — where :func:`logits` and :func:`harness.estimate.buffers.loss`
-    count its backward's larger chain: the head's output in the compute dtype, the fused loss's FP32
-    upcast and the FP32 log-softmax it saves (2 × 4 B per logit), vocabulary-sharded over c. Traced
-    (``run.mode=fake``, Llama-3-8B, one rank per 8 on an H100, ZeRO-1, tp 1, s 2048, op): the forward
-    end held 2 + 8 B per logit beside every weight's cast (the engine, with them, equal to the trace
-    to 0.01 %). Only asked without tensor parallelism (``stage.forward_end``)."""
-    sbv = t.seq_len * t.micro_batch_size * m.vocab_size // (p.tp * p.cp)
-    return elem_bytes(t.precision) * sbv, 8 * sbv
-
-
 def backward_working_set(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
     """What a block's backward holds at its peak beyond the activations (torch): its MLP's gradients,
     three b·(s/c)·(f/t) tensors in the compute dtype — the gradient of the down projection's input,
@@ -348,6 +341,8 @@ def backward_working_set(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
     3 × 1.375 MiB in BF16 and at tp 2), with the activations one 2.75 MiB tensor short of all in-flight
     ones; at Llama-2-7B's shapes (s 8192, BF16, pp 2-8) seven of eight in-flight b·s·f tensors of
     the last block alive beside the three."""
+    if m.moe:
+        return moe_backward_working_set(m, p, t)
     tokens = t.micro_batch_size * (t.seq_len // p.cp)
     return 2 * tokens * (m.ffn_hidden_size // p.tp) * elem_bytes(t.precision)
 

@@ -184,3 +184,15 @@ def loss(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: str
         # in the fused single-rank loss).
         return 3 * sbv4 // (p.tp * p.cp)
     return 2 * sbv4 // (p.tp * p.cp)
+
+
+def forward_end_loss_chain(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> tuple[int, int]:
+    """(logits, loss) the last stage holds at the end of its forward without a pipeline — the loss
+    computed, its backward not begun — where :func:`harness.estimate.activations.logits` and :func:`loss`
+    count its backward's larger chain: the head's output in the compute dtype, the fused loss's FP32
+    upcast and the FP32 log-softmax it saves (2 × 4 B per logit), vocabulary-sharded over c. Traced
+    (``run.mode=fake``, Llama-3-8B, one rank per 8 on an H100, ZeRO-1, tp 1, s 2048, op): the forward
+    end held 2 + 8 B per logit beside every weight's cast (the engine, with them, equal to the trace
+    to 0.01 %). Only asked without tensor parallelism (``stage.forward_end``)."""
+    sbv = t.seq_len * t.micro_batch_size * m.vocab_size // (p.tp * p.cp)
+    return elem_bytes(t.precision) * sbv, 8 * sbv

@@ -50,12 +50,13 @@ def model_flops_per_step(spec: RunSpec, *, convention: str = "megatron") -> int:
     # 12BsLh·(h + h·k/a + s_attn) + 18BsLh·f + 6Bs·h·v, with s_attn = s, or s/2 counting the causal mask.
     kv_width = h // m.num_heads * m.num_kv_heads
     attn = 12 * B * s * L * h * s if convention == "megatron" else 6 * B * s * L * h * s
-    return (
-        12 * B * s * L * h * (h + kv_width)
-        + attn
-        + 18 * B * s * L * h * m.ffn_hidden_size
-        + 6 * B * s * h * m.vocab_size
-    )
+    if m.moe:  # a mixture of experts: its active parameters (harness/estimate/moe.py)
+        from harness.estimate.moe import moe_mlp_flops_per_token
+
+        mlp = B * s * L * moe_mlp_flops_per_token(m)
+    else:
+        mlp = 18 * B * s * L * h * m.ffn_hidden_size
+    return 12 * B * s * L * h * (h + kv_width) + attn + mlp + 6 * B * s * h * m.vocab_size
 
 
 def hardware_flops_per_step(spec: RunSpec, *, convention: str = "megatron") -> int:

@@ -5,6 +5,11 @@ h×(h·k/a)), SwiGLU MLP 3·h·f, two RMSNorm weights 2h. Embedding h·v, final 
 unless tied; Qwen2's Q, K and V biases h(1 + 2k/a) where ``qkv_bias``. Tensor parallelism shards every
 matrix (and those biases) by t (vocabulary-parallel embedding and head); norm weights are replicated.
 Stage 0 holds the embedding, the last stage the final norm and the head.
+
+A mixture-of-experts block (``model.num_experts`` E > 0) has, in place of the SwiGLU MLP, a router h·E,
+E experts of 3·h·f_e and shared experts 3·h·f_e·n_s (harness/runner/moe.py; Megatron's
+``theoretical_memory_usage.py`` counts the same: routed experts 2·h·f_e·E·3/2 with SwiGLU, router h·E,
+shared experts 2·h·f_s·3/2). Mixtral-8x7B: 46,702,792,704.
 """
 
 from __future__ import annotations
@@ -14,11 +19,25 @@ import heapq
 from harness.spec import ModelSpec
 
 
+def mlp_matrices(m: ModelSpec) -> list[int]:
+    """The elements of each matrix of one block's MLP: the three SwiGLU projections, or a mixture of
+    experts' router, every expert's three and the shared experts' three."""
+    h = m.hidden_size
+    if not m.moe:
+        return [h * m.ffn_hidden_size] * 3
+    shared = m.moe_ffn_hidden_size * m.num_shared_experts
+    return (
+        [h * m.num_experts]
+        + [h * m.moe_ffn_hidden_size] * (3 * m.num_experts)
+        + ([h * shared] * 3 if shared else [])
+    )
+
+
 def layer_matrix_params(m: ModelSpec) -> int:
-    """Weights of one layer's matrices: Q, K, V, O and the three SwiGLU projections."""
+    """Weights of one layer's matrices: Q, K, V, O and the MLP's (:func:`mlp_matrices`)."""
     h = m.hidden_size
     kv_width = h // m.num_heads * m.num_kv_heads  # h·k/a, exact because h % a == 0
-    return 2 * h * h + 2 * h * kv_width + 3 * h * m.ffn_hidden_size
+    return 2 * h * h + 2 * h * kv_width + sum(mlp_matrices(m))
 
 
 def qkv_bias_params(m: ModelSpec) -> int:
@@ -69,10 +88,10 @@ def param_numels(m: ModelSpec, *, stage: int, pp: int, tp: int = 1) -> list[tupl
     the final norm and the head (last stage; one tensor with the embedding when tied with pp = 1).
     Matrices and biases are sharded by t, norms replicated; the sum of the locals is
     :func:`stage_params`."""
-    h, v, f = m.hidden_size, m.vocab_size, m.ffn_hidden_size
+    h, v = m.hidden_size, m.vocab_size
     kv = h // m.num_heads * m.num_kv_heads
     block = [(h, h), (h, h)]  # the two norms
-    block += [(n, n // tp) for n in (h * h, h * kv, h * kv, h * h, h * f, h * f, h * f)]
+    block += [(n, n // tp) for n in (h * h, h * kv, h * kv, h * h, *mlp_matrices(m))]
     if m.qkv_bias:
         block += [(n, n // tp) for n in (h, kv, kv)]
     out = []

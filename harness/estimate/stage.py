@@ -172,7 +172,7 @@ def forward_end(
     forward's end, inside that region: every cast alive, the layers' kept activations without the
     backward's working sets (the recomputed block's, :func:`act.recompute_working_set`, and a block's
     gradients, :func:`act.backward_working_set`, where they exceed the loss's buffers), the loss's
-    forward chain (:func:`act.forward_end_loss_chain`) instead of its backward one. Traced
+    forward chain (:func:`buf.forward_end_loss_chain`) instead of its backward one. Traced
     (``run.mode=fake``, Llama-3-8B, one rank per 8 on an H100, ZeRO-1): at tp 1, s 2048, op, the
     forward's end with all 32 blocks' casts, 12 % above the backward-only figure, to 0.01 % (full at
     8 blocks: to 0.01 %); at tp 1, s 8192, op, the forward's end too (Llama-3-8B and Llama-2-13B,
@@ -185,7 +185,7 @@ def forward_end(
     working = act.recompute_working_set(m, p, t, engine="torch", fused_norm=fused_norm, autocast=True)
     gradients = act.backward_working_set(m, p, t)
     backward_only = working - min(working, loss_chain) + max(0, gradients - loss_chain)
-    logits, loss = act.forward_end_loss_chain(m, p, t)
+    logits, loss = buf.forward_end_loss_chain(m, p, t)
     saved = loss_chain - logits - loss + backward_only  # what the forward's end does not hold
     if p.tp > 1 or casts <= saved:  # the backward's peak
         terms["param_copies"] -= casts

@@ -65,7 +65,7 @@ class CausalAttention:
 
 def init_std(m: ModelSpec, name: str) -> float:
     """The initial standard deviation of a matrix: 0.02, output projections scaled by depth."""
-    if name.endswith(("wo.weight", "w2.weight")):
+    if name.endswith(("wo.weight", "w2.weight")):  # (an expert's w2 too: experts.<e>.w2.weight)
         return 0.02 / math.sqrt(2 * m.num_layers)
     return 0.02
 
@@ -149,27 +149,39 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, m: ModelSpec):
+    """SwiGLU of ``ffn_hidden_size`` (default the model's): a dense block's MLP, or one expert."""
+
+    def __init__(self, m: ModelSpec, *, ffn_hidden_size: int | None = None):
         super().__init__()
-        self.w1 = nn.Linear(m.hidden_size, m.ffn_hidden_size, bias=False)
-        self.w2 = nn.Linear(m.ffn_hidden_size, m.hidden_size, bias=False)
-        self.w3 = nn.Linear(m.hidden_size, m.ffn_hidden_size, bias=False)
+        f = ffn_hidden_size or m.ffn_hidden_size
+        self.w1 = nn.Linear(m.hidden_size, f, bias=False)
+        self.w2 = nn.Linear(f, m.hidden_size, bias=False)
+        self.w3 = nn.Linear(m.hidden_size, f, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, m: ModelSpec, seq_len: int, attention: str = "flash"):
+    """Attention and MLP, each after its norm and with a residual; the MLP is ``moe`` (a mixture of
+    experts, torchtitan's name) where the model has experts, else ``feed_forward``."""
+
+    def __init__(self, m: ModelSpec, seq_len: int, attention: str = "flash", *, moe_imbalance: float = 1.0):
         super().__init__()
         self.attention_norm = RMSNorm(m.hidden_size)
         self.attention = Attention(m, seq_len, attention)
         self.ffn_norm = RMSNorm(m.hidden_size)
-        self.feed_forward = FeedForward(m)
+        if m.moe:
+            from harness.runner.moe import MoE
+
+            self.moe = MoE(m, imbalance=moe_imbalance, feed_forward=FeedForward)
+        else:
+            self.feed_forward = FeedForward(m)
+        self.mlp_name = "moe" if m.moe else "feed_forward"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x))
-        return h + self.feed_forward(self.ffn_norm(h))
+        return h + getattr(self, self.mlp_name)(self.ffn_norm(h))
 
 
 def _run_blocks(blocks: list[nn.Module], h: torch.Tensor) -> torch.Tensor:
@@ -182,12 +194,15 @@ class Llama(nn.Module):
     """Token ids (batch, seq) → logits (batch, seq, vocab). Any of ``tok_embeddings``, ``norm`` and
     ``output`` may be None (a pipeline stage), in which case the input or output is hidden states."""
 
-    def __init__(self, m: ModelSpec, *, seq_len: int, attention: str = "flash"):
+    def __init__(self, m: ModelSpec, *, seq_len: int, attention: str = "flash", moe_imbalance: float = 1.0):
         super().__init__()
         self.spec = m
         self.tok_embeddings: nn.Module | None = nn.Embedding(m.vocab_size, m.hidden_size)
         self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(m, seq_len, attention) for i in range(m.num_layers)}
+            {
+                str(i): TransformerBlock(m, seq_len, attention, moe_imbalance=moe_imbalance)
+                for i in range(m.num_layers)
+            }
         )
         self.norm: nn.Module | None = RMSNorm(m.hidden_size)
         self.output: nn.Module | None = nn.Linear(m.hidden_size, m.vocab_size, bias=False)

@@ -267,7 +267,7 @@ def _run(spec: RunSpec, device: torch.device, artifacts: _Artifacts | None = Non
     torch.manual_seed(MODEL_SEED)
     # On the meta device: no memory until each rank's part is known (parallel/materialize.py).
     with torch.device("meta"):
-        model = Llama(spec.model, seq_len=t.seq_len, attention=t.attention)
+        model = Llama(spec.model, seq_len=t.seq_len, attention=t.attention, moe_imbalance=t.moe_imbalance)
     tokens, targets = synthetic_batch(spec)
     per_rank = t.micro_batch_size * t.num_microbatches
     dp_rank = mesh["dp"].get_local_rank()

@@ -1,10 +1,16 @@
 """A local Hugging Face ``config.json`` of the Llama family as ModelSpec fields (no network, no hub).
 
 ``model.hf_config=PATH`` on the command line reads one: the fields map one to one onto ModelSpec's, and
-a config whose architecture the estimator cannot model (mixture of experts, multi-head latent attention,
-biases other than Qwen2's on Q, K and V, a head size other than hidden/heads) is refused in one line
-naming the fields, rather than estimated as if it were a dense Llama. Sliding-window attention is
-estimated as dense, with a note. ``PATH`` may be the file or a folder holding it.
+a config whose architecture the estimator cannot model (multi-head latent attention, biases other than
+Qwen2's on Q, K and V, a head size other than hidden/heads, dense layers among expert layers) is refused
+in one line naming the fields, rather than estimated as if it were a dense Llama. Sliding-window
+attention is estimated as dense, with a note. ``PATH`` may be the file or a folder holding it.
+
+Mixtures of experts (issue 27; docs/mixture-of-experts.md §3): Mixtral (``num_local_experts``,
+``num_experts_per_tok``, experts of ``intermediate_size``, softmax over the top-k, no shared expert),
+Qwen2-MoE and Qwen3-MoE (``num_experts``, ``moe_intermediate_size``, ``norm_topk_prob``; Qwen2-MoE's
+shared expert of ``shared_expert_intermediate_size``, a whole number of experts' width). Every layer
+must be an expert layer (``decoder_sparse_step`` 1, no ``mlp_only_layers``).
 """
 
 from __future__ import annotations
@@ -28,10 +34,12 @@ FIELDS = {
 # Mistral is Llama plus an optional sliding window (see WINDOW_KEYS); Qwen2 (and Qwen2.5, the same
 # model_type) is Llama with biases on the Q, K and V projections (transformers' Qwen2Attention:
 # q_proj, k_proj, v_proj with bias=True, o_proj without), ModelSpec.qkv_bias.
-MODEL_TYPES = ("llama", "mistral", "qwen2")
-QKV_BIAS_TYPES = ("qwen2",)
+MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe")
+QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # Keys whose presence (with a value that switches the feature on) means another architecture.
 UNSUPPORTED = {
+    # (a mixture of experts of another model_type: its routing and layer pattern are not known here)
     "mixture of experts": (
         "num_local_experts",
         "num_experts",
@@ -107,7 +115,9 @@ def model_fields(path: str | Path, notes: list[str] | None = None) -> dict[str, 
         f"{key} ({what})"
         for what, keys in UNSUPPORTED.items()
         for key in keys
-        if key in cfg and _switched_on(cfg[key])
+        if key in cfg
+        and _switched_on(cfg[key])
+        and not (what == "mixture of experts" and model_type in MOE_TYPES)
     ]
     if refused:
         raise HFConfigError(f"{where}: cannot model {', '.join(refused)}: only dense Llama-family models")
@@ -162,4 +172,42 @@ def model_fields(path: str | Path, notes: list[str] | None = None) -> dict[str, 
             f"{where}: cannot model head_dim {head_dim} ≠ hidden_size/num_attention_heads = "
             f"{out['hidden_size']}/{out['num_heads']}"
         )
+    if model_type in MOE_TYPES:
+        out.update(_moe_fields(cfg, model_type, where))
     return out
+
+
+def _moe_fields(cfg: dict[str, Any], model_type: str, where: str) -> dict[str, Any]:
+    """ModelSpec's mixture-of-experts fields of a Mixtral, Qwen2-MoE or Qwen3-MoE config.json."""
+    experts = cfg.get("num_local_experts", cfg.get("num_experts"))
+    if model_type == "mixtral":
+        ffn, shared_width, norm = cfg.get("intermediate_size"), 0, True
+    else:
+        ffn = cfg.get("moe_intermediate_size")
+        shared_width = cfg.get("shared_expert_intermediate_size") or 0
+        norm = bool(cfg.get("norm_topk_prob", model_type == "qwen3_moe"))
+        dense = [k for k in ("mlp_only_layers",) if _switched_on(cfg.get(k))]
+        if cfg.get("decoder_sparse_step", 1) != 1 or dense:
+            raise HFConfigError(
+                f"{where}: cannot model dense layers among expert layers (decoder_sparse_step "
+                f"{cfg.get('decoder_sparse_step', 1)}, mlp_only_layers {cfg.get('mlp_only_layers') or []})"
+            )
+    top_k = cfg.get("num_experts_per_tok")
+    wrong = [
+        f"{k}={v!r}" for k, v in (("experts", experts), ("num_experts_per_tok", top_k), ("expert size", ffn))
+    ]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (experts, top_k, ffn)):
+        raise HFConfigError(f"{where}: {', '.join(wrong)}: a mixture of experts needs positive integers")
+    if not isinstance(shared_width, int) or shared_width % ffn:
+        raise HFConfigError(
+            f"{where}: cannot model shared_expert_intermediate_size {shared_width!r}: not a whole number of "
+            f"experts of {ffn}"
+        )
+    return {
+        "num_experts": experts,
+        "experts_per_token": top_k,
+        "moe_ffn_hidden_size": ffn,
+        "num_shared_experts": shared_width // ffn,
+        "moe_router": "softmax",
+        "moe_norm_topk": norm,
+    }

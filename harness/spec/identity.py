@@ -96,7 +96,19 @@ def canonical_form(spec: RunSpec) -> RunSpec:
     sync = canonical_grad_sync(t.grad_sync, num_microbatches=t.num_microbatches, shards=p.dp * p.cp, pp=p.pp)
     if sync != t.grad_sync:
         t = dataclasses.replace(t, grad_sync=sync)
-    return dataclasses.replace(spec, parallel=p, train=t)
+    model = spec.model
+    if not model.num_experts:
+        model = _dense(model)
+    imbalance = float(t.moe_imbalance) if model.num_experts else 1.0  # (an int 2 is 2.0: one id)
+    if imbalance != t.moe_imbalance or type(t.moe_imbalance) is not float:
+        t = dataclasses.replace(t, moe_imbalance=imbalance)
+    return dataclasses.replace(spec, model=model, parallel=p, train=t)
+
+
+def _dense(m: ModelSpec) -> ModelSpec:
+    """A dense model's mixture-of-experts fields at their defaults (they have no effect)."""
+    moe = {k: v for k, v in ADDED_FIELD_DEFAULTS["model"].items() if k != "qkv_bias"}
+    return m if all(getattr(m, k) == v for k, v in moe.items()) else dataclasses.replace(m, **moe)
 
 
 def flat(spec: RunSpec) -> dict[str, Any]:

@@ -29,11 +29,22 @@ GRAD_SYNC = ("last", "every_microbatch")
 # "never" keeps them to backward, which is ZeRO-2 (the canonical form says so); "default" is torchtitan's:
 # always without pipelining, never with it (a stage would all-gather again for every micro-batch).
 FSDP_RESHARD = ("default", "always", "never")
+# A mixture-of-experts layer's router scores (``model.moe_router``): softmax over all experts (Mixtral,
+# Qwen3-MoE, Megatron's default) or a sigmoid per expert (DeepSeek-V3, torchtitan's default).
+MOE_ROUTERS = ("softmax", "sigmoid")
 # Fields added after the first study, left out of the hashed payload (config_id, raw_id) while they hold
 # this default, so that every spec that existed before keeps its id.
 ADDED_FIELD_DEFAULTS = {
-    "model": {"qkv_bias": False},
-    "train": {"recompute_every": 1, "recompute_method": "every", "grad_sync": "last"},
+    "model": {
+        "qkv_bias": False,
+        "num_experts": 0,
+        "experts_per_token": 2,
+        "moe_ffn_hidden_size": 0,
+        "num_shared_experts": 0,
+        "moe_router": "softmax",
+        "moe_norm_topk": True,
+    },
+    "train": {"recompute_every": 1, "recompute_method": "every", "grad_sync": "last", "moe_imbalance": 1.0},
     "parallel": {"fsdp_reshard_after_forward": "always", "pp_layers": ()},
     # The device's memory-beside-tensors constants and step-time figures: config_id hashes only the
     # device's name and capacity; raw_id (invalid points) leaves them out while they hold the default.
@@ -64,7 +75,12 @@ class InvalidSpec(ValueError):
 @dataclass(frozen=True)
 class ModelSpec:
     """A Llama-architecture decoder: RMSNorm, RoPE, GQA attention, SwiGLU MLP; biases only on the Q, K
-    and V projections where ``qkv_bias`` (Qwen2 and Qwen2.5)."""
+    and V projections where ``qkv_bias`` (Qwen2 and Qwen2.5). With ``num_experts`` > 0 every block's MLP
+    is a mixture of experts (harness/runner/moe.py): a router over ``num_experts`` SwiGLU experts of
+    ``moe_ffn_hidden_size``, ``experts_per_token`` of them per token, the top-k gate values normalised
+    to sum 1 where ``moe_norm_topk``, plus ``num_shared_experts`` (one SwiGLU of their summed width on
+    every token); ``ffn_hidden_size`` is then unused. The canonical form resets the MoE fields of a
+    dense model."""
 
     name: str
     hidden_size: int
@@ -75,6 +91,16 @@ class ModelSpec:
     vocab_size: int
     tie_embeddings: bool = False
     qkv_bias: bool = False
+    num_experts: int = 0
+    experts_per_token: int = 2
+    moe_ffn_hidden_size: int = 0
+    num_shared_experts: int = 0
+    moe_router: str = "softmax"
+    moe_norm_topk: bool = True
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
 
 
 @dataclass(frozen=True)
@@ -131,6 +157,10 @@ class TrainSpec:
     attention: str = "flash"
     steps: int = 3
     grad_sync: str = "last"  # GRAD_SYNC; canonical: "last" where nothing is accumulated over data parallel
+    # Mixture of experts: the most-loaded expert's routed tokens over the balanced share T·k/E (1.0:
+    # balanced), the worst case the runner's deterministic routing reproduces and the estimator assumes.
+    # Canonical: 1.0 for a dense model.
+    moe_imbalance: float = 1.0
 
 
 @dataclass(frozen=True)

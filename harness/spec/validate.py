@@ -9,6 +9,7 @@ from harness.spec.types import (
     ATTENTION,
     FSDP_RESHARD,
     GRAD_SYNC,
+    MOE_ROUTERS,
     PP_SCHEDULES,
     PRECISIONS,
     RECOMPUTE,
@@ -54,6 +55,7 @@ MAX_RANKS = 2**20
 MAX_CHUNKS = 4096
 MAX_LAYERS = 65536
 MAX_SIZE = 2**31 - 1
+MAX_EXPERTS = 65536
 
 
 def _pp_layers_problems(spec: RunSpec) -> list[str]:
@@ -80,6 +82,40 @@ def _pp_layers_problems(spec: RunSpec) -> list[str]:
     return out
 
 
+def _moe_problems(spec: RunSpec) -> list[str]:
+    """A mixture-of-experts model (``model.num_experts`` > 0): its shape, the routing's imbalance, and the
+    layouts the runner does not build for it yet (issue 27), refused here so that the runner, fake runs
+    and the estimator refuse them alike."""
+    m, p, t = spec.model, spec.parallel, spec.train
+    e, k = m.num_experts, m.experts_per_token
+    if e < 2:
+        return [f"model.num_experts={e}: a mixture of experts needs at least 2 (0: a dense model)"]
+    out = []
+    if not 1 <= k <= e:
+        out.append(f"model.experts_per_token={k} must be from 1 to num_experts {e}")
+    if m.moe_ffn_hidden_size < 1:
+        out.append(f"model.moe_ffn_hidden_size={m.moe_ffn_hidden_size} must be >= 1 with num_experts {e}")
+    if m.num_shared_experts < 0:
+        out.append(f"model.num_shared_experts={m.num_shared_experts} must be >= 0")
+    if m.moe_router not in MOE_ROUTERS:
+        out.append(f"model.moe_router={m.moe_router!r} must be one of {', '.join(MOE_ROUTERS)}")
+    if 1 <= k <= e:
+        hot = t.moe_imbalance * k
+        if not (hot == round(hot) and k <= hot <= e):
+            out.append(
+                f"train.moe_imbalance={t.moe_imbalance} must make the most-loaded expert's routes among every "
+                f"{e} tokens' (moe_imbalance · experts_per_token = {t.moe_imbalance}·{k} = {hot:g}) a whole "
+                f"number from {k} (balanced) to {e} (every token)"
+            )
+    if p.tp > 1:
+        out.append(
+            f"tensor parallelism of expert layers is not built yet (issue 27): tp {p.tp} with num_experts {e}"
+        )
+    if t.recompute == "op":
+        out.append(f"recompute=op over expert layers is not built yet (issue 27): num_experts {e}")
+    return out
+
+
 def _too_large(spec: RunSpec) -> list[str]:
     m, p, t = spec.model, spec.parallel, spec.train
     out = []
@@ -90,8 +126,21 @@ def _too_large(spec: RunSpec) -> list[str]:
         out.append(f"pp·virtual_stages = {p.pp * p.virtual_stages:,} pipeline chunks is over {MAX_CHUNKS:,}")
     if m.num_layers > MAX_LAYERS:
         out.append(f"model.num_layers={m.num_layers:,} is over {MAX_LAYERS:,}")
+    if m.num_experts > MAX_EXPERTS:
+        out.append(f"model.num_experts={m.num_experts:,} is over {MAX_EXPERTS:,}")
     for section, obj, names in (
-        ("model", m, ("hidden_size", "ffn_hidden_size", "vocab_size", "num_heads", "num_kv_heads")),
+        (
+            "model",
+            m,
+            (
+                "hidden_size",
+                "ffn_hidden_size",
+                "vocab_size",
+                "num_heads",
+                "num_kv_heads",
+                "moe_ffn_hidden_size",
+            ),
+        ),
         ("train", t, ("seq_len", "micro_batch_size", "num_microbatches", "steps")),
     ):
         for name in names:
@@ -218,6 +267,9 @@ def layout_problems(spec: RunSpec) -> list[str]:
             f"sequence parallel needs (seq_len/cp) % tp = 0: ({t.seq_len}/{p.cp}) % {p.tp} "
             f"= {(t.seq_len // p.cp) % p.tp}"
         )
+
+    if m.num_experts:
+        out += _moe_problems(spec)
 
     if p.zero_stage not in (0, 1, 2, 3):
         out.append(f"parallel.zero_stage={p.zero_stage} must be 0, 1, 2 or 3")

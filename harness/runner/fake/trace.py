@@ -78,7 +78,7 @@ def trace_rank(
             _gloo_works_hold_tensors(spec.device.name == "cpu"),
             kernels,
         ):
-            model = Llama(spec.model, seq_len=t.seq_len, attention=t.attention)
+            model = Llama(spec.model, seq_len=t.seq_len, attention=t.attention, moe_imbalance=t.moe_imbalance)
             par = parallelize(model, spec, mesh, cpu)
             del model  # as the real rank does: a pipeline stage is a copy of it
             per_rank = (t.micro_batch_size * t.num_microbatches, t.seq_len // p.cp)

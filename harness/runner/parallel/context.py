@@ -19,13 +19,17 @@ from harness.runner.model import sdpa
 
 def local_positions(seq_len: int, *, rank: int, cp: int, load_balance: bool) -> torch.Tensor:
     """Global positions of the tokens rank ``rank`` of ``cp`` holds, in the order it holds them."""
+    return torch.tensor(local_position_list(seq_len, rank=rank, cp=cp, load_balance=load_balance))
+
+
+def local_position_list(seq_len: int, *, rank: int, cp: int, load_balance: bool) -> list[int]:
+    """:func:`local_positions` as Python ints (a fake run's tensors cannot be read back)."""
     if not load_balance:
         chunk = seq_len // cp
-        return torch.arange(rank * chunk, (rank + 1) * chunk)
+        return list(range(rank * chunk, (rank + 1) * chunk))
     chunk = seq_len // (2 * cp)
-    head = torch.arange(rank * chunk, (rank + 1) * chunk)
     tail_start = (2 * cp - 1 - rank) * chunk
-    return torch.cat([head, torch.arange(tail_start, tail_start + chunk)])
+    return list(range(rank * chunk, (rank + 1) * chunk)) + list(range(tail_start, tail_start + chunk))
 
 
 def shard_sequence(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -68,6 +72,8 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, seq_len: int, load_balanc
     # One core (one mask) shared by every layer; the layers share one kernel.
     core = AllGatherKVAttention(cp_mesh, mine, everyone, kernel=blocks[0].attention.kernel)
     for block in blocks:
+        if block.mlp_name == "moe":  # the routing follows each token's global position
+            block.moe.positions = local_position_list(seq_len, rank=rank, cp=cp, load_balance=load_balance)
         attn = block.attention
         attn.positions = mine  # (CPU indices; the rows are made on the buffers' device)
         attn.reset_rope()
