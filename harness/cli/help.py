@@ -23,7 +23,14 @@ MEANINGS: dict[str, str] = {
     "model.vocab_size": "vocabulary size v",
     "model.tie_embeddings": "true: the LM head shares the embedding's weights",
     "model.qkv_bias": "true: biases on the Q, K and V projections (Qwen2, Qwen2.5)",
-    "model.hf_config": "PATH of a local Hugging Face config.json (Llama family): sets the model.* fields",
+    "model.num_experts": "experts E of each block's mixture-of-experts MLP (0: a dense model)",
+    "model.experts_per_token": "experts k each token is routed to (top-k)",
+    "model.moe_ffn_hidden_size": "SwiGLU intermediate size of one expert f_e",
+    "model.num_shared_experts": "shared experts applied to every token (one SwiGLU of their summed width)",
+    "model.moe_router": "router scores: softmax over the experts | sigmoid per expert",
+    "model.moe_norm_topk": "true: the top-k gate values are normalised to sum 1",
+    "model.hf_config": "PATH of a local Hugging Face config.json (Llama family, Mixtral, Qwen MoE): "
+    "sets the model.* fields",
     # parallel
     "parallel.dp": "data-parallel degree (null: derived from parallel.world_size)",
     "parallel.tp": "tensor-parallel degree (divides heads, KV heads, FFN size and vocabulary)",
@@ -54,6 +61,8 @@ MEANINGS: dict[str, str] = {
     "train.grad_sync": "with accumulation over dp: reduce after the last micro-batch | every_microbatch; "
     "null: the stack's",
     "train.steps": "steps run: 1 warm-up, then timed steps (>= 2)",
+    "train.moe_imbalance": "mixture of experts: the most-loaded expert's routed tokens over the balanced "
+    "share (1.0)",
     # device
     "device.name": "the device's label (part of config_id)",
     "device.memory_gib": "capacity in GiB (2^30 B); on CPU the simulated capacity OOM is judged against",

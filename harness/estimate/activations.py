@@ -36,7 +36,7 @@ Sharding by tensor (t) and context (c) parallelism:
 from __future__ import annotations
 
 from harness.estimate.dtypes import elem_bytes, norm_elem_bytes, norm_tensors
-from harness.estimate.moe import moe_backward_working_set, moe_layer_bytes
+from harness.estimate.moe import moe_backward_working_set, moe_layer_bytes, moe_op_bytes
 from harness.estimate.params import layer_params
 from harness.spec import ModelSpec, ParallelSpec, TrainSpec
 
@@ -164,8 +164,13 @@ def op_layer_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast: boo
     gate = s * b * f // tc
     down = sbh // p.cp
     reduce_scatter = 2 * sbh // tc if sp else 0
-    return layer_input_bytes(m, p, t, autocast=autocast) + elem_bytes(t.precision) * (
-        q + v + attention + gate + down + reduce_scatter
+    moe = 0
+    if m.moe:  # the MLP's matmuls are the router's and the experts' (harness/estimate/moe.py)
+        gate, down, moe = 0, 0, moe_op_bytes(m, p, t)
+    return (
+        layer_input_bytes(m, p, t, autocast=autocast)
+        + elem_bytes(t.precision) * (q + v + attention + gate + down + reduce_scatter)
+        + moe
     )
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from harness.estimate.dtypes import elem_bytes
 from harness.spec import ModelSpec, ParallelSpec, TrainSpec
+from harness.spec.routing import rank_expert_rows
 
 
 def moe_layer_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast: bool) -> int:
@@ -76,3 +77,37 @@ def moe_backward_working_set(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int
     this one."""
     rows = t.micro_batch_size * (t.seq_len // p.cp) * m.experts_per_token
     return 3 * 4 * rows * m.hidden_size
+
+
+def moe_op_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
+    """What torchtitan's op policy (harness/runner/parallel/recompute.py) keeps of an MoE block's MLP:
+    the outputs of every second matmul, counted through the block — after attention's four (wq and wv
+    kept) the router's (the 5th, kept: FP32 (T, E)), then each expert's w1, w3 and w2 in turn (the
+    6th, 7th, 8th, ...: expert j keeps w3's output when j is even, w1's and w2's when it is odd), then
+    the shared experts'. Each expert's rows from the routing (:func:`rank_expert_rows`, context-
+    parallel rank 0). torchtitan's grouped GEMM is three matmuls for all experts at once, where its
+    policy would keep the first and the third; the runner runs one expert at a time (harness/runner/
+    moe.py), and this counts what it keeps."""
+    h, f, e = m.hidden_size, m.moe_ffn_hidden_size, elem_bytes(t.precision)
+    tokens = t.micro_batch_size * (t.seq_len // p.cp)
+    rows = rank_expert_rows(
+        m.num_experts,
+        m.experts_per_token,
+        t.moe_imbalance,
+        seq_len=t.seq_len,
+        batch=t.micro_batch_size,
+        cp=p.cp,
+        load_balance=p.cp_load_balance,
+    )
+    kept = 4 * tokens * m.num_experts  # the router's output, the 5th matmul
+    index = 6
+    widths = [(n, (f, f, h)) for n in rows]
+    if m.num_shared_experts:
+        fs = f * m.num_shared_experts
+        widths.append((tokens, (fs, fs, h)))
+    for n, outs in widths:
+        for width in outs:  # w1, w3, w2
+            if index % 2:
+                kept += e * n * width
+            index += 1
+    return kept

@@ -13,6 +13,7 @@ from harness.estimate.dtypes import torch_autocast
 from harness.estimate.params import param_numels, stage_params, zero1_partitions
 from harness.estimate.peaks import (
     fsdp_last_stage_peaks,
+    pipeline_last_backward,
     replicated_embedding_grad,
     sequence_parallel_forward_end,
 )
@@ -247,6 +248,10 @@ def stage_estimate(spec: RunSpec, stage: int, engine: str) -> StageEstimate:
     if engine == "torch" and p.tp > 1 and p.sequence_parallel and stage < p.pp - 1:
         buffers = sequence_parallel_forward_end(
             spec, stage, terms, buffers, autocast=layout[-1], gloo=spec.device.name == "cpu"
+        )
+    if engine == "torch" and p.pp > 1 and grads == "none":
+        buffers = pipeline_last_backward(
+            spec, stage, terms, buffers, fused_norm=fused_norm, autocast=layout[-1]
         )
     if engine == "torch" and p.zero_stage == 3 and p.dp * p.cp > 1 and stage == p.pp - 1:
         buffers = fsdp_last_stage_peaks(spec, stage, terms, buffers, activations)

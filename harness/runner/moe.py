@@ -15,7 +15,7 @@ after another over their slice of the routed buffer: the same tensors a grouped 
 each expert's weights a leaf parameter, so autocast casts each once per region as it does a dense
 layer's (a slice of one 3-D parameter would be cast again in every micro-batch).
 
-The routing (``train.moe_imbalance``, :func:`routing_table`): which experts a token goes to is a
+The routing (``train.moe_imbalance``, harness/spec/routing.py): which experts a token goes to is a
 function of its position in the sequence, not of the router's scores, whose gate values still weight
 the experts' outputs (so the router trains). With a random initialisation the learned top-k would
 route a different, unrepeatable share to each expert; here the most-loaded expert (expert 0) takes
@@ -29,33 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def routing_table(num_experts: int, top_k: int, imbalance: float) -> list[list[int]]:
-    """The experts of the tokens at positions p ≡ 0 … E − 1 (mod E), ``top_k`` distinct ones each:
-    expert 0 in the first round(imbalance · k) rows (k rows: the balanced share), the other experts in
-    turn over the remaining places, so each of them appears as evenly as the rest allows. (Validation
-    requires imbalance · k to be whole and at most E.)"""
-    e, k = num_experts, top_k
-    hot = round(imbalance * k)
-    others = list(range(1, e))
-    table, turn = [], 0
-    for row in range(e):
-        picks = [0] if row < hot else []
-        while len(picks) < k:
-            picks.append(others[turn % len(others)])
-            turn += 1
-        table.append(picks)
-    return table
-
-
-def expert_counts(table: list[list[int]], positions: list[int], batch: int) -> list[int]:
-    """Rows each expert receives from ``batch`` sequences of the tokens at ``positions``."""
-    counts = [0] * len(table)
-    rows = len(table)
-    for p in positions:
-        for expert in table[p % rows]:
-            counts[expert] += batch
-    return counts
+from harness.spec.routing import expert_counts, routing_table
 
 
 class _ScatterAdd(torch.autograd.Function):

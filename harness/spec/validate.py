@@ -103,16 +103,14 @@ def _moe_problems(spec: RunSpec) -> list[str]:
         hot = t.moe_imbalance * k
         if not (hot == round(hot) and k <= hot <= e):
             out.append(
-                f"train.moe_imbalance={t.moe_imbalance} must make the most-loaded expert's routes among every "
-                f"{e} tokens' (moe_imbalance · experts_per_token = {t.moe_imbalance}·{k} = {hot:g}) a whole "
-                f"number from {k} (balanced) to {e} (every token)"
+                f"train.moe_imbalance={t.moe_imbalance} must make the most-loaded expert's routes among "
+                f"every {e} tokens' (moe_imbalance · experts_per_token = {t.moe_imbalance}·{k} = {hot:g}) "
+                f"a whole number from {k} (balanced) to {e} (every token)"
             )
     if p.tp > 1:
         out.append(
             f"tensor parallelism of expert layers is not built yet (issue 27): tp {p.tp} with num_experts {e}"
         )
-    if t.recompute == "op":
-        out.append(f"recompute=op over expert layers is not built yet (issue 27): num_experts {e}")
     return out
 
 

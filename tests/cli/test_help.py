@@ -181,10 +181,25 @@ def test_a_local_config_json_gives_the_preset_estimate(tmp_path, capsys):
     assert cfg["model"]["num_layers"] == 16 and cfg["device"]["name"] == "h100_94gb"
 
 
+def test_a_mixtral_config_json_is_the_mixtral_preset(tmp_path, capsys):
+    # issue 27: Mixtral's fields (num_local_experts, num_experts_per_tok, experts of intermediate_size)
+    mixtral = _config(
+        tmp_path, model_type="mixtral", num_local_experts=8, num_experts_per_tok=2, vocab_size=32000
+    )
+    assert main(["estimate", f"model.hf_config={mixtral}", "format=json"]) == 0
+    mine = json.loads(capsys.readouterr().out)
+    assert main(["estimate", "model=mixtral_8x7b", "format=json"]) == 0
+    assert mine["config_id"] == json.loads(capsys.readouterr().out)["config_id"]
+
+
 @pytest.mark.parametrize(
     ("changes", "named"),
     [
-        ({"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2}, "model_type 'mixtral'"),
+        ({"model_type": "deepseek_v3", "n_routed_experts": 256}, "model_type 'deepseek_v3'"),
+        (
+            {"model_type": "qwen2_moe", "num_experts": 60, "num_experts_per_tok": 4, "mlp_only_layers": [0]},
+            "cannot model dense layers among expert layers (decoder_sparse_step 1, mlp_only_layers [0])",
+        ),
         (
             {"num_local_experts": 8, "num_experts_per_tok": 2},
             "num_local_experts (mixture of experts), num_experts_per_tok (mixture of experts)",

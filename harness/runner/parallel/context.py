@@ -15,21 +15,12 @@ from torch.distributed._functional_collectives import all_gather_tensor_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
 from harness.runner.model import sdpa
+from harness.spec.routing import local_position_list
 
 
 def local_positions(seq_len: int, *, rank: int, cp: int, load_balance: bool) -> torch.Tensor:
     """Global positions of the tokens rank ``rank`` of ``cp`` holds, in the order it holds them."""
     return torch.tensor(local_position_list(seq_len, rank=rank, cp=cp, load_balance=load_balance))
-
-
-def local_position_list(seq_len: int, *, rank: int, cp: int, load_balance: bool) -> list[int]:
-    """:func:`local_positions` as Python ints (a fake run's tensors cannot be read back)."""
-    if not load_balance:
-        chunk = seq_len // cp
-        return list(range(rank * chunk, (rank + 1) * chunk))
-    chunk = seq_len // (2 * cp)
-    tail_start = (2 * cp - 1 - rank) * chunk
-    return list(range(rank * chunk, (rank + 1) * chunk)) + list(range(tail_start, tail_start + chunk))
 
 
 def shard_sequence(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
