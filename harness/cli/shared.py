@@ -129,6 +129,8 @@ def profile_of_config(cfg: dict):
             outside.append(f"{n / 1e9:.2f} B parameters")
         if spec.train.precision not in (seen.get("precisions") or [spec.train.precision]):
             outside.append(spec.train.precision)
+        if spec.model.moe:  # the paper's grids are dense models
+            outside.append("a mixture of experts")
         warn_once(
             f"note: calibration={DEFAULT_GPU_PROFILE} (the default for GPU presets: fitted on "
             f"{seen.get('count')} fake-traced points of the paper's grid, {low / 1e9:.1f}-{high / 1e9:.1f} B "
