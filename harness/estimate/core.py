@@ -190,10 +190,21 @@ def estimate_canonical(
         terms = dict.fromkeys(TERMS, 0)
         first = stage_view(spec, 0)  # the paper's form assumes even stages: its first stage's blocks
         terms.update(paper_terms(first.model, first.parallel, first.train))
-        note = "paper: closed form for the first stage; ignores " + ", ".join(IGNORED_FIELDS)
-        return Estimate(spec, engine, (StageEstimate.of(0, terms),), flops, notes=(note,))
+        notes = ("paper: closed form for the first stage; ignores " + ", ".join(IGNORED_FIELDS),)
+        if spec.model.moe:
+            notes += (
+                "paper: the published form has no experts: this mixture of experts is counted as a dense "
+                f"model whose MLP is ffn_hidden_size {spec.model.ffn_hidden_size} wide",
+            )
+        return Estimate(spec, engine, (StageEstimate.of(0, terms),), flops, notes=notes)
     ids = range(spec.parallel.pp) if stages is None else stages
     # Each stage from its own blocks (spec.stage_views: the spec itself unless parallel.pp_layers).
     views = stage_views(spec)
     stages = tuple(stage_estimate(views[i], i, engine) for i in ids)
-    return Estimate(spec, engine, stages, flops, views=views)
+    notes = ()
+    if engine == "megatron" and spec.model.moe:
+        notes = (
+            "megatron: the expert blocks' activations are the torch runner's (torchtitan's layer, "
+            "harness/estimate/moe.py); Megatron's token dispatchers are not modelled",
+        )
+    return Estimate(spec, engine, stages, flops, views=views, notes=notes)

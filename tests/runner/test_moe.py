@@ -201,3 +201,12 @@ def test_a_fake_moe_run_traces_what_the_real_run_measures():
     assert real["status"] == "ok" and fake["status"] == "ok", (real["error"], fake["error"])
     for rank, peak in zip(fake["fake_traced_ranks"], fake["per_rank_peak_bytes"], strict=True):
         assert peak == pytest.approx(real["per_rank_peak_bytes"][rank], rel=0.002)
+
+
+def test_the_paper_and_megatron_engines_say_what_they_do_with_experts():
+    s = spec("mixtral_8x7b", "h100_80gb")
+    assert any("has no experts" in n for n in estimate(s, engine="paper").notes)
+    assert any(
+        "Megatron's token dispatchers are not modelled" in n for n in estimate(s, engine="megatron").notes
+    )
+    assert estimate(s, engine="torch").notes == ()
