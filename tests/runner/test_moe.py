@@ -114,9 +114,22 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("name", fast_few(LAYOUTS, {"dp2-zero3", "cp2", "pp2-1f1b"}))
-def test_moe_layout_matches_single_rank(references, name, variant):
+# The default run keeps three layouts of the top-2 model and one of the other; -m slow runs the rest.
+FAST = {
+    ("top2", "dp2-zero3"),
+    ("top2", "cp2"),
+    ("top2", "pp2-1f1b"),
+    ("shared-sigmoid-top3", "dp2-cp2-pp2-zero2"),
+}
+CASES = [
+    pytest.param(v, n, id=f"{v}-{n}", marks=() if (v, n) in FAST else pytest.mark.slow)
+    for v in VARIANTS
+    for n in LAYOUTS
+]
+
+
+@pytest.mark.parametrize(("variant", "name"), CASES)
+def test_moe_layout_matches_single_rank(references, variant, name):
     losses = _run(VARIANTS[variant], **LAYOUTS[name])
     assert losses == pytest.approx(references[variant], rel=RTOL), (losses, references[variant])
 

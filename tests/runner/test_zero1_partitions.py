@@ -42,6 +42,8 @@ def test_the_engine_lists_the_runner_models_parameter_tensors():
         dataclasses.replace(spec("tiny").model, **kw)
         for kw in ({}, {"tie_embeddings": True}, {"qkv_bias": True})
     ]
+    # a mixture of experts: the router, every expert's three matrices and the shared experts' (issue 27)
+    models.append(dataclasses.replace(spec("tiny_moe").model, num_shared_experts=2))
     cases = [(m, pp) for m in models for pp in (1, 2)]
     for (m, pp), model in zip(cases, in_fresh_process(_every_model_numels, cases), strict=True):
         engine = [sorted(g for g, _ in param_numels(m, stage=i, pp=pp)) for i in range(pp)]
