@@ -23,6 +23,8 @@ MEANINGS: dict[str, str] = {
     "model.vocab_size": "vocabulary size v",
     "model.tie_embeddings": "true: the LM head shares the embedding's weights",
     "model.qkv_bias": "true: biases on the Q, K and V projections (Qwen2, Qwen2.5)",
+    "model.head_dim": "one attention head's size d (null: hidden_size / num_heads; Qwen3: its own)",
+    "model.qk_norm": "true: RMSNorm of each query and key head before the rotary embedding (Qwen3)",
     "model.num_experts": "experts E of each block's mixture-of-experts MLP (0: a dense model)",
     "model.experts_per_token": "experts k each token is routed to (top-k)",
     "model.moe_ffn_hidden_size": "SwiGLU intermediate size of one expert f_e",

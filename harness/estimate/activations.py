@@ -35,6 +35,7 @@ Sharding by tensor (t) and context (c) parallelism:
 
 from __future__ import annotations
 
+from harness.estimate.attention import math_attention_bytes, rope_table_bytes
 from harness.estimate.dtypes import elem_bytes, norm_elem_bytes, norm_tensors
 from harness.estimate.moe import moe_backward_working_set, moe_layer_bytes, moe_op_bytes
 from harness.estimate.params import layer_params
@@ -77,8 +78,14 @@ def layer_activation_bytes(
     norm = norm_tensors(engine, fused_norm=fused_norm) * sbh // (tc if sp else p.cp)
     inputs_div = tc if (sp and engine == "megatron") else p.cp
     inputs = 2 * sbh // inputs_div  # attention input + MLP input
-    q_out = 2 * sbh // tc
-    kv_elems = 2 * sbh // m.num_heads * m.num_kv_heads
+    q_out = 2 * s * b * m.q_width // tc  # Q and the attention output: a·d wide (h unless head_dim)
+    kv_elems = 2 * s * b * m.kv_width
+    # Qwen3's query and key norms keep what a norm keeps (norm_tensors / 2 each) of Q and K
+    qk = (
+        norm_tensors(engine, fused_norm=fused_norm) // 2 * s * b * (m.q_width + m.kv_width) // tc
+        if m.qk_norm
+        else 0
+    )
     kv_div = p.tp if engine == "torch" else tc
     kv = kv_elems // kv_div
     math = 0
@@ -101,45 +108,13 @@ def layer_activation_bytes(
         inputs, mlp = inputs - (2 if autocast else 1) * sbh // inputs_div, 0
         moe = moe_layer_bytes(m, p, t, autocast=autocast)
     rope = rope_table_bytes(m, p, t) if engine == "torch" else 0
-    return elem_bytes(t.precision) * (inputs + q_out + kv + mlp + mask) + math + norm_elem * norm + rope + moe
-
-
-def rope_table_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
-    """The runner's rotary tables in the compute dtype, per layer and micro-batch: ``Attention.forward``
-    casts its FP32 cos and sin rows (s/c × head_dim, shared by the batch and the heads, so not split by
-    t) to the queries' dtype, and the two multiplications that rotate Q and K save them — a new pair in
-    every layer's forward; in FP32 the cast is the buffer itself. Saved tensors of one ``tiny`` block
-    under BF16 autocast (torch 2.13, CPU): two (512, 32) BF16 tables, the only tensors the engine did
-    not count."""
-    if t.precision == "fp32":
-        return 0
-    return 2 * elem_bytes(t.precision) * (t.seq_len // p.cp) * (m.hidden_size // m.num_heads)
-
-
-def math_attention_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, kv_div: int, engine: str) -> int:
-    """What the math kernel keeps beyond the fused one, in bytes: the softmax output a·s²·b (both
-    batched matmuls' backward and the softmax's own need it; the scores before it are freed — no
-    dropout in Llama, so nothing else of Korthikanti's 5as/h) at (s/c)·s per head and a/t heads; and
-    K and V repeated to all a heads (the math path's ``repeat_interleave`` copies, saved instead of the
-    k-head tensors the fused kernel keeps), divided like K and V (``kv_div``).
-
-    In FP32 that is the softmax and 2·sbh·(1 − k/a) more. With BF16 (or FP16) inputs, torch's math
-    path computes in FP32 (``_scaled_dot_product_attention_math`` upcasts query, key and value "for
-    accuracy", on every device): it keeps FP32 copies of Q and of the repeated K and V and an FP32
-    softmax, in place of the BF16 Q, K and V the fused kernel keeps. Measured on one ``tiny`` block
-    (s 512, b 4, FP32, saved-bytes of the allocator's stream): 16.97 sbh more than flash, against
-    a·s²·b/sbh = 16 and 2·(1 − 1/2) = 1; BF16 (saved tensors of SDPA's math backend, torch 2.13):
-    q·scale, kᵀ, v and the probabilities all FP32. The BF16 CPU study measured the single-rank math
-    points 13-16 % above the engine that counted them in BF16. The megatron engine counts Megatron's
-    unfused attention, which computes in the compute dtype."""
-    s, b, h = t.seq_len, t.micro_batch_size, m.hidden_size
-    e = elem_bytes(t.precision)
-    wide = 4 if engine == "torch" else e
-    softmax = m.num_heads * (s // p.cp) * s * b // p.tp
-    kv_repeated = 2 * s * b * h // kv_div
-    kv_own = 2 * s * b * h // m.num_heads * m.num_kv_heads // kv_div  # counted by the caller at e
-    q = s * b * h // (p.tp * p.cp)  # counted by the caller at e
-    return wide * (softmax + kv_repeated) - e * kv_own + (wide - e) * q
+    return (
+        elem_bytes(t.precision) * (inputs + q_out + kv + mlp + mask)
+        + math
+        + norm_elem * (norm + qk)
+        + rope
+        + moe
+    )
 
 
 def op_layer_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast: bool = False) -> int:
@@ -158,9 +133,9 @@ def op_layer_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast: boo
     sbh = s * b * h
     tc = p.tp * p.cp
     sp = p.sequence_parallel and p.tp > 1
-    q = sbh // tc
-    v = sbh // m.num_heads * m.num_kv_heads // tc
-    attention = sbh // tc if t.attention == "flash" else 0
+    q = s * b * m.q_width // tc
+    v = s * b * m.kv_width // tc
+    attention = s * b * m.q_width // tc if t.attention == "flash" else 0
     gate = s * b * f // tc
     down = sbh // p.cp
     reduce_scatter = 2 * sbh // tc if sp else 0

@@ -160,8 +160,7 @@ def cp_kv_allgather(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, engine: str 
     (whose forward copies are saved activations), with its boolean causal mask. Zero when cp = 1."""
     if p.cp == 1:
         return 0
-    kv_width = m.hidden_size // m.num_heads * m.num_kv_heads
-    kv = elem_bytes(t.precision) * 2 * t.seq_len * t.micro_batch_size * kv_width // p.tp
+    kv = elem_bytes(t.precision) * 2 * t.seq_len * t.micro_batch_size * m.kv_width // p.tp
     # torch: the boolean causal mask (s/c)·s, built once for the step (1 B per element).
     mask = (t.seq_len // p.cp) * t.seq_len if engine == "torch" else 0
     return kv + mask

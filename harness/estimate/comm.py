@@ -59,7 +59,7 @@ def cost(spec: RunSpec) -> Cost:
     # Tensor parallel: two all-reduce-sized collectives forward and two backward per layer.
     tp_bytes = layers * 4 * sbh * e * 2 * (p.tp - 1) / p.tp * mb * passes
     # Context parallel: all-gather K and V forward, reduce-scatter their gradients backward.
-    kv = 2 * sbh * m.num_kv_heads / m.num_heads / p.tp * e
+    kv = 2 * (t.seq_len // p.cp * t.micro_batch_size * m.kv_width) / p.tp * e
     cp_bytes = layers * kv * (p.cp - 1) * 2 * mb * passes
     # Data parallel over d·c ranks: gradient all-reduce (ZeRO 0/1), or FSDP's all-gathers and
     # reduce-scatter (ZeRO-2: one all-gather; ZeRO-3: forward and backward all-gathers).

@@ -48,15 +48,17 @@ def model_flops_per_step(spec: RunSpec, *, convention: str = "megatron") -> int:
     h, L, s, B = m.hidden_size, m.num_layers, t.seq_len, spec.global_batch_size
     # The bracket multiplied out, in integers (h·k/a is whole because h % a == 0):
     # 12BsLh·(h + h·k/a + s_attn) + 18BsLh·f + 6Bs·h·v, with s_attn = s, or s/2 counting the causal mask.
-    kv_width = h // m.num_heads * m.num_kv_heads
-    attn = 12 * B * s * L * h * s if convention == "megatron" else 6 * B * s * L * h * s
+    # Q, K, V, O of widths a·d and k·d (= h and h·k/a unless a head size of its own, Qwen3's head_dim);
+    # the attention's two matmuls over a·d.
+    q, kv = m.q_width, m.kv_width
+    attn = 12 * B * s * L * q * s if convention == "megatron" else 6 * B * s * L * q * s
     if m.moe:  # a mixture of experts: its active parameters (harness/estimate/moe.py)
         from harness.estimate.moe import moe_mlp_flops_per_token
 
         mlp = B * s * L * moe_mlp_flops_per_token(m)
     else:
         mlp = 18 * B * s * L * h * m.ffn_hidden_size
-    return 12 * B * s * L * h * (h + kv_width) + attn + mlp + 6 * B * s * h * m.vocab_size
+    return 12 * B * s * L * h * (q + kv) + attn + mlp + 6 * B * s * h * m.vocab_size
 
 
 def hardware_flops_per_step(spec: RunSpec, *, convention: str = "megatron") -> int:

@@ -1,7 +1,8 @@
 """Parameter counts of a Llama model: per layer, per pipeline stage, per tensor-parallel rank.
 
 ESTIMATOR.md §1. Per transformer layer: attention 2h²(1 + k/a) (Q and O are h×h, K and V are
-h×(h·k/a)), SwiGLU MLP 3·h·f, two RMSNorm weights 2h. Embedding h·v, final norm h, LM head h·v
+h×(h·k/a)); with a head size d of its own (Qwen3's ``head_dim``) 2·h·d·(a + k), and Qwen3's query and
+key norms 2d; SwiGLU MLP 3·h·f, two RMSNorm weights 2h. Embedding h·v, final norm h, LM head h·v
 unless tied; Qwen2's Q, K and V biases h(1 + 2k/a) where ``qkv_bias``. Tensor parallelism shards every
 matrix (and those biases) by t (vocabulary-parallel embedding and head); norm weights are replicated.
 Stage 0 holds the embedding, the last stage the final norm and the head.
@@ -36,8 +37,7 @@ def mlp_matrices(m: ModelSpec) -> list[int]:
 def layer_matrix_params(m: ModelSpec) -> int:
     """Weights of one layer's matrices: Q, K, V, O and the MLP's (:func:`mlp_matrices`)."""
     h = m.hidden_size
-    kv_width = h // m.num_heads * m.num_kv_heads  # h·k/a, exact because h % a == 0
-    return 2 * h * h + 2 * h * kv_width + sum(mlp_matrices(m))
+    return 2 * h * m.q_width + 2 * h * m.kv_width + sum(mlp_matrices(m))
 
 
 def qkv_bias_params(m: ModelSpec) -> int:
@@ -45,12 +45,18 @@ def qkv_bias_params(m: ModelSpec) -> int:
     sharded with their columns under tensor parallelism."""
     if not m.qkv_bias:
         return 0
-    return m.hidden_size + 2 * (m.hidden_size // m.num_heads * m.num_kv_heads)
+    return m.q_width + 2 * m.kv_width
 
 
 def layer_params(m: ModelSpec, *, tp: int = 1) -> int:
-    """Parameters of one transformer layer on one tensor-parallel rank (norm weights replicated)."""
-    return (layer_matrix_params(m) + qkv_bias_params(m)) // tp + 2 * m.hidden_size
+    """Parameters of one transformer layer on one tensor-parallel rank (norm weights replicated; Qwen3's
+    query and key norms of d each)."""
+    return (layer_matrix_params(m) + qkv_bias_params(m)) // tp + 2 * m.hidden_size + qk_norm_params(m)
+
+
+def qk_norm_params(m: ModelSpec) -> int:
+    """Qwen3's RMSNorm weights of the query and key heads (``qk_norm``): 2·d, replicated."""
+    return 2 * m.head_size if m.qk_norm else 0
 
 
 def total_params(m: ModelSpec) -> int:
@@ -89,11 +95,13 @@ def param_numels(m: ModelSpec, *, stage: int, pp: int, tp: int = 1) -> list[tupl
     Matrices and biases are sharded by t, norms replicated; the sum of the locals is
     :func:`stage_params`."""
     h, v = m.hidden_size, m.vocab_size
-    kv = h // m.num_heads * m.num_kv_heads
+    q, kv = m.q_width, m.kv_width
     block = [(h, h), (h, h)]  # the two norms
-    block += [(n, n // tp) for n in (h * h, h * kv, h * kv, h * h, *mlp_matrices(m))]
+    if m.qk_norm:
+        block += [(m.head_size, m.head_size)] * 2
+    block += [(n, n // tp) for n in (h * q, h * kv, h * kv, h * q, *mlp_matrices(m))]
     if m.qkv_bias:
-        block += [(n, n // tp) for n in (h, kv, kv)]
+        block += [(n, n // tp) for n in (q, kv, kv)]
     out = []
     if stage == 0:
         out.append((h * v, h * v // tp))

@@ -33,7 +33,7 @@ from functools import lru_cache
 
 from harness.estimate.buffers import kept_head
 from harness.estimate.dtypes import elem_bytes, torch_autocast
-from harness.estimate.params import layer_params, non_layer_params
+from harness.estimate.params import layer_params, mlp_matrices, non_layer_params
 from harness.estimate.states import torch_grads_at_peak
 from harness.spec import ModelSpec, ParallelSpec, RunSpec, TrainSpec
 
@@ -77,10 +77,19 @@ def layer_tensors(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast: bool
         return (seq_sharded,)
     norm_e = 4 if autocast else e  # under autocast the residual stream is FP32
     norms = sbh * norm_e // (tc if p.sequence_parallel else c)
-    kv = sbh * m.num_kv_heads // m.num_heads * e // p.tp
-    return (norms, norms, sbh * e // c, sbh * e // c, sbh * e // tc, sbh * e // tc, kv, kv) + (
-        sbf * e // tc,
-    ) * 4
+    sb = t.seq_len * t.micro_batch_size
+    kv = sb * m.kv_width * e // p.tp
+    q = sb * m.q_width * e // tc
+    attention = (norms, norms, sbh * e // c, sbh * e // c, q, q, kv, kv)
+    if not m.moe:
+        return attention + (sbf * e // tc,) * 4
+    # a mixture of experts (harness/estimate/moe.py): the routed rows, each expert's four SwiGLU
+    # tensors on its share of them, the combine's FP32 product (sizes of a balanced routing)
+    rows = sb // c * m.experts_per_token
+    per_expert = rows // m.num_experts * m.moe_ffn_hidden_size * e
+    return (
+        attention + (rows * m.hidden_size * e, rows * m.hidden_size * 4) + (per_expert,) * (4 * m.num_experts)
+    )
 
 
 def replicated(p: ParallelSpec) -> bool:
@@ -216,12 +225,12 @@ def _parameter_tensors(m: ModelSpec, tp: int, pp: int, stage: int, shards: int, 
     Q, K, V, O, gate, up and down, the head; sharded by dim 0 over the ZeRO-2/3 ``shards``; under
     ZeRO-1 whole tensors, one shard's share of them (``ZeroRedundancyOptimizer`` partitions whole
     parameters). Norm weights (small-pool requests) are left out."""
-    h, f = m.hidden_size, m.ffn_hidden_size
-    kv = h // m.num_heads * m.num_kv_heads
+    h = m.hidden_size
     layers = m.num_layers // pp
-    out: Counter[int] = Counter({h * h // tp: 2 * layers})
-    out[h * kv // tp] += 2 * layers
-    out[h * f // tp] += 3 * layers
+    out: Counter[int] = Counter({h * m.q_width // tp: 2 * layers})
+    out[h * m.kv_width // tp] += 2 * layers
+    for n in mlp_matrices(m):  # three SwiGLU matrices, or a mixture of experts' router and experts
+        out[n // tp] += layers
     out[m.vocab_size * h // tp] += (stage == 0) + (stage == pp - 1 and not (m.tie_embeddings and pp == 1))
     if shards > 1 and zero >= 2:
         return _counts({-(-n // shards): c for n, c in out.items()})

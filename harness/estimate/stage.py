@@ -240,9 +240,7 @@ def stage_estimate(spec: RunSpec, stage: int, engine: str) -> StageEstimate:
         if casts:
             buffers, activations = forward_end(spec, terms, buffers, activations, casts, fused_norm)
     if engine == "torch":
-        tables = st.rotary_tables(
-            m.num_layers // p.pp, seq_len=t.seq_len, cp=p.cp, head_dim=m.hidden_size // m.num_heads
-        )
+        tables = st.rotary_tables(m.num_layers // p.pp, seq_len=t.seq_len, cp=p.cp, head_dim=m.head_size)
         terms["params"] += tables
         states += tables
     if engine == "torch" and p.tp > 1 and p.sequence_parallel and stage < p.pp - 1:

@@ -109,12 +109,14 @@ class Attention(nn.Module):
     def __init__(self, m: ModelSpec, seq_len: int, attention: str = "flash"):
         super().__init__()
         self.kernel = attention
-        self.head_dim = m.hidden_size // m.num_heads
-        kv_width = self.head_dim * m.num_kv_heads
-        self.wq = nn.Linear(m.hidden_size, m.hidden_size, bias=m.qkv_bias)
-        self.wk = nn.Linear(m.hidden_size, kv_width, bias=m.qkv_bias)
-        self.wv = nn.Linear(m.hidden_size, kv_width, bias=m.qkv_bias)
-        self.wo = nn.Linear(m.hidden_size, m.hidden_size, bias=False)
+        self.head_dim = m.head_size
+        self.wq = nn.Linear(m.hidden_size, m.q_width, bias=m.qkv_bias)
+        self.wk = nn.Linear(m.hidden_size, m.kv_width, bias=m.qkv_bias)
+        self.wv = nn.Linear(m.hidden_size, m.kv_width, bias=m.qkv_bias)
+        self.wo = nn.Linear(m.q_width, m.hidden_size, bias=False)
+        # Qwen3: RMSNorm over each query and key head before the rotary embedding
+        self.q_norm = RMSNorm(self.head_dim, eps=1e-6) if m.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps=1e-6) if m.qk_norm else None
         self.seq_len = seq_len
         # The global token positions this module's rotary rows are for (None: 0 … seq_len − 1); context
         # parallelism sets its rank's slice (parallel/context.py).
@@ -138,8 +140,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         # -1 heads: under tensor parallelism this rank sees only its heads.
-        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:  # on (b, s, heads, d), before the transpose, as Qwen3's own code does
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         cos, sin = self.rope_cos[:s].to(q.dtype), self.rope_sin[:s].to(q.dtype)
         q = q * cos + _rotate_half(q) * sin

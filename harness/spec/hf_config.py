@@ -2,9 +2,12 @@
 
 ``model.hf_config=PATH`` on the command line reads one: the fields map one to one onto ModelSpec's, and
 a config whose architecture the estimator cannot model (multi-head latent attention, biases other than
-Qwen2's on Q, K and V, a head size other than hidden/heads, dense layers among expert layers) is refused
+Qwen2's on Q, K and V, dense layers among expert layers) is refused
 in one line naming the fields, rather than estimated as if it were a dense Llama. Sliding-window
 attention is estimated as dense, with a note. ``PATH`` may be the file or a folder holding it.
+
+Qwen3 (``qwen3``, ``qwen3_moe``): a head size of its own (``head_dim``, model.head_dim) and norms of
+each query and key head (model.qk_norm).
 
 Mixtures of experts (issue 27; docs/mixture-of-experts.md §3): Mixtral (``num_local_experts``,
 ``num_experts_per_tok``, experts of ``intermediate_size``, softmax over the top-k, no shared expert),
@@ -34,9 +37,10 @@ FIELDS = {
 # Mistral is Llama plus an optional sliding window (see WINDOW_KEYS); Qwen2 (and Qwen2.5, the same
 # model_type) is Llama with biases on the Q, K and V projections (transformers' Qwen2Attention:
 # q_proj, k_proj, v_proj with bias=True, o_proj without), ModelSpec.qkv_bias.
-MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # RMSNorm of each query and key head (Qwen3Attention's q_norm, k_norm)
 # Keys whose presence (with a value that switches the feature on) means another architecture.
 UNSUPPORTED = {
     # (a mixture of experts of another model_type: its routing and layer pattern are not known here)
@@ -167,11 +171,12 @@ def model_fields(path: str | Path, notes: list[str] | None = None) -> dict[str, 
             f"{where}: {', '.join(wrong) or 'tie_word_embeddings'} must be an integer/boolean"
         )
     head_dim = cfg.get("head_dim")
-    if head_dim is not None and out["num_heads"] and head_dim * out["num_heads"] != out["hidden_size"]:
-        raise HFConfigError(
-            f"{where}: cannot model head_dim {head_dim} ≠ hidden_size/num_attention_heads = "
-            f"{out['hidden_size']}/{out['num_heads']}"
-        )
+    if head_dim is not None:  # a head size of its own (Qwen3, Mistral-Nemo): model.head_dim
+        if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 1:
+            raise HFConfigError(f"{where}: head_dim={head_dim!r} must be a positive integer")
+        if head_dim * out["num_heads"] != out["hidden_size"]:
+            out["head_dim"] = head_dim
+    out["qk_norm"] = model_type in QK_NORM_TYPES
     if model_type in MOE_TYPES:
         out.update(_moe_fields(cfg, model_type, where))
     return out

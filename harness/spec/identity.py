@@ -99,15 +99,27 @@ def canonical_form(spec: RunSpec) -> RunSpec:
     model = spec.model
     if not model.num_experts:
         model = _dense(model)
+    if model.head_dim is not None and model.head_dim * model.num_heads == model.hidden_size:
+        model = dataclasses.replace(model, head_dim=None)  # the default head size, spelled out
     imbalance = float(t.moe_imbalance) if model.num_experts else 1.0  # (an int 2 is 2.0: one id)
     if imbalance != t.moe_imbalance or type(t.moe_imbalance) is not float:
         t = dataclasses.replace(t, moe_imbalance=imbalance)
     return dataclasses.replace(spec, model=model, parallel=p, train=t)
 
 
+MOE_FIELDS = (
+    "num_experts",
+    "experts_per_token",
+    "moe_ffn_hidden_size",
+    "num_shared_experts",
+    "moe_router",
+    "moe_norm_topk",
+)
+
+
 def _dense(m: ModelSpec) -> ModelSpec:
     """A dense model's mixture-of-experts fields at their defaults (they have no effect)."""
-    moe = {k: v for k, v in ADDED_FIELD_DEFAULTS["model"].items() if k != "qkv_bias"}
+    moe = {k: v for k, v in ADDED_FIELD_DEFAULTS["model"].items() if k in MOE_FIELDS}
     return m if all(getattr(m, k) == v for k, v in moe.items()) else dataclasses.replace(m, **moe)
 
 

@@ -43,6 +43,8 @@ ADDED_FIELD_DEFAULTS = {
         "num_shared_experts": 0,
         "moe_router": "softmax",
         "moe_norm_topk": True,
+        "head_dim": None,
+        "qk_norm": False,
     },
     "train": {"recompute_every": 1, "recompute_method": "every", "grad_sync": "last", "moe_imbalance": 1.0},
     "parallel": {"fsdp_reshard_after_forward": "always", "pp_layers": ()},
@@ -97,10 +99,29 @@ class ModelSpec:
     num_shared_experts: int = 0
     moe_router: str = "softmax"
     moe_norm_topk: bool = True
+    # Qwen3's attention: a head size of its own (None: hidden_size / num_heads; canonical: None where it
+    # is that) and RMSNorm of each query and key head before the rotary embedding (``qk_norm``).
+    head_dim: int | None = None
+    qk_norm: bool = False
 
     @property
     def moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def head_size(self) -> int:
+        """One attention head's width d: ``head_dim``, or hidden_size / num_heads."""
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def q_width(self) -> int:
+        """The queries' (and the attention output's) width a·d; hidden_size unless ``head_dim``."""
+        return self.num_heads * self.head_size
+
+    @property
+    def kv_width(self) -> int:
+        """The keys' (and values') width k·d."""
+        return self.num_kv_heads * self.head_size
 
 
 @dataclass(frozen=True)

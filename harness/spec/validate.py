@@ -195,7 +195,9 @@ def layout_problems(spec: RunSpec) -> list[str]:
         return out
 
     # Model shape.
-    if m.hidden_size % m.num_heads:
+    if m.head_dim is not None and m.head_dim < 1:
+        out.append(f"model.head_dim={m.head_dim} must be >= 1 (or null: hidden_size / num_heads)")
+    elif m.head_dim is None and m.hidden_size % m.num_heads:
         out.append(
             f"hidden_size {m.hidden_size} % num_heads {m.num_heads} = {m.hidden_size % m.num_heads} ≠ 0"
         )
@@ -268,6 +270,10 @@ def layout_problems(spec: RunSpec) -> list[str]:
 
     if m.num_experts:
         out += _moe_problems(spec)
+    if m.qk_norm and p.tp > 1:
+        out.append(
+            f"tensor parallelism with qk_norm (Qwen3's query and key norms) is not built yet: tp {p.tp}"
+        )
 
     if p.zero_stage not in (0, 1, 2, 3):
         out.append(f"parallel.zero_stage={p.zero_stage} must be 0, 1, 2 or 3")

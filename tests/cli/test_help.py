@@ -206,7 +206,7 @@ def test_a_mixtral_config_json_is_the_mixtral_preset(tmp_path, capsys):
         ),
         ({"kv_lora_rank": 512, "q_lora_rank": 1536}, "kv_lora_rank (multi-head latent attention)"),
         ({"attention_bias": True}, "attention_bias (biases)"),
-        ({"head_dim": 256}, "head_dim 256 ≠ hidden_size/num_attention_heads = 4096/32"),
+        ({"head_dim": 0}, "head_dim=0 must be a positive integer"),
     ],
 )
 def test_a_config_the_estimator_cannot_model_is_refused_in_one_line(tmp_path, changes, named):

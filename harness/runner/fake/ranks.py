@@ -17,8 +17,9 @@ def rank_of(spec: RunSpec, *, stage: int, dp: int = 0, cp: int = 0, tp: int = 0)
 def uneven_tp(spec: RunSpec) -> bool:
     """Whether tensor-parallel shards differ in size between tp ranks."""
     m, tp = spec.model, spec.parallel.tp
-    kv_width = m.hidden_size // m.num_heads * m.num_kv_heads
-    return tp > 1 and any(x % tp for x in (m.vocab_size, m.hidden_size, m.ffn_hidden_size, kv_width))
+    return tp > 1 and any(
+        x % tp for x in (m.vocab_size, m.hidden_size, m.ffn_hidden_size, m.kv_width, m.q_width)
+    )
 
 
 def traced_ranks(spec: RunSpec) -> list[int]:
