@@ -144,3 +144,14 @@ def cut(model_name: str, layers: int, device_name: str = "cpu", **overrides) -> 
     kept: a paper-scale mechanism traced in seconds)."""
     s = spec(model_name, device_name, **overrides)
     return dataclasses.replace(s, model=dataclasses.replace(s.model, num_layers=layers))
+
+
+def stage_peaks(s: RunSpec, record: dict) -> list[tuple[int, int, int]]:
+    """(stage, its most-loaded rank's measured peak, the stage's estimate) of a real run's record (the
+    ranks of a stage are consecutive in ``per_rank_peak_bytes``)."""
+    from harness.estimate import estimate
+
+    stages = estimate(s).stages
+    per = len(record["per_rank_peak_bytes"]) // len(stages)
+    peaks = record["per_rank_peak_bytes"]
+    return [(st.stage, max(peaks[st.stage * per : (st.stage + 1) * per]), st.total_bytes) for st in stages]

@@ -21,7 +21,7 @@ import collections
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import fast_few, in_fresh_process, spec
+from conftest import fast_few, in_fresh_process, spec, stage_peaks
 
 from harness.estimate import estimate
 from harness.runner.supervisor import run_point
@@ -109,13 +109,5 @@ def test_bf16_every_stage_measures_within_1_2_percent_above_its_estimate(name):
     s = spec("tiny", train_precision="bf16", train_seq_len=512, **STAGE_POINTS[name])
     real = run_point(s, timeout_s=240)
     assert real["status"] == "ok", real["error"]
-    stages = estimate(s).stages
-    per_stage = len(real["per_rank_peak_bytes"]) // len(stages)
-    for st in stages:
-        measured = max(real["per_rank_peak_bytes"][st.stage * per_stage : (st.stage + 1) * per_stage])
-        assert 0.99 * st.total_bytes <= measured <= 1.012 * st.total_bytes, (
-            name,
-            st.stage,
-            measured,
-            st.total_bytes,
-        )
+    for stage, measured, estimated in stage_peaks(s, real):
+        assert 0.99 * estimated <= measured <= 1.012 * estimated, (name, stage, measured, estimated)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from conftest import fast_few, in_fresh_process, spec
+from conftest import fast_few, in_fresh_process, spec, stage_peaks
 
 from harness.estimate import estimate
 from harness.estimate.params import total_params
@@ -224,11 +224,8 @@ def test_moe_every_stage_measures_its_estimate(name):
         s = canonical(dataclasses.replace(s, model=dataclasses.replace(s.model, **model)))
     real = run_point(s, timeout_s=240)
     assert real["status"] == "ok", real["error"]
-    stages = estimate(s).stages
-    per_stage = len(real["per_rank_peak_bytes"]) // len(stages)
-    for st in stages:
-        measured = max(real["per_rank_peak_bytes"][st.stage * per_stage : (st.stage + 1) * per_stage])
-        assert low * st.total_bytes <= measured <= 1.01 * st.total_bytes, (name, st.stage, measured)
+    for stage, measured, estimated in stage_peaks(s, real):
+        assert low * estimated <= measured <= 1.01 * estimated, (name, stage, measured, estimated)
 
 
 def test_a_fake_moe_run_traces_what_the_real_run_measures():
