@@ -191,24 +191,37 @@ def dominant_stages(p: ParallelSpec, t: TrainSpec) -> tuple[int, ...]:
 
 
 def pipeline_last_backward(
-    spec: RunSpec, stage: int, terms: dict[str, int], buffers: int, *, fused_norm: bool, autocast: bool
+    spec: RunSpec,
+    stage: int,
+    terms: dict[str, int],
+    buffers: int,
+    activations: int,
+    *,
+    fused_norm: bool,
+    autocast: bool,
 ) -> int:
     """A pipeline stage whose usual peak comes before any backward (``states.torch_grads_at_peak``
     "none": the end of 1F1B's warm-up with every in-flight micro-batch, GPipe's forwards): a later
     candidate in its last micro-batch's backward, with every gradient the earlier backwards made
     (FP32 and unsharded under FSDP2, which reduces after the last one) beside that micro-batch's
     activations and kept stage output alone — one model chunk in flight instead of all — and the same
-    working sets. It
-    wins where the stage's gradients outweigh the chunks the earlier backwards freed: a mixture of
-    experts (many parameters, few activations per token) under ``op``, whose kept outputs are few.
+    working sets. It wins where the stage's gradients outweigh the chunks the earlier backwards freed:
+    a mixture of experts (many parameters, few activations per token) under ``op``, whose kept outputs
+    are few.
     Found on ``tiny_moe``, pp 2, 2 micro-batches, op, FP32 (stage 0 measured 4.3 % above the warm-up
     candidate, at the end of backward with every gradient made). What it adds goes into
     ``grad_reduce`` (gradient memory of backward beyond the states, as in
-    :func:`replicated_embedding_grad`). Mutates ``terms``; returns the forward/backward buffers' new
-    sum."""
+    :func:`replicated_embedding_grad`), and only where it can set the stage's peak: it adds at most the
+    gradients, so where the optimizer step's candidate exceeds the forward/backward terms by more, it is
+    not computed (``plan`` estimates tens of thousands of layouts). Mutates ``terms``; returns the
+    forward/backward buffers' new sum."""
     m, p, t = spec.model, spec.parallel, spec.train
     inflight = act.inflight_chunks(p, t, stage=stage)
     if t.num_microbatches * p.virtual_stages < 2 or inflight < 2:
+        return buffers
+    n = stage_params(m, stage=stage, pp=p.pp, tp=p.tp)
+    grads = 4 * n if p.zero_stage >= 2 and p.dp * p.cp > 1 else terms["step_grads"]
+    if buffers + activations + grads <= terms["step_grads"] + terms["optimizer_step"]:
         return buffers
     working = act.recompute_working_set(m, p, t, engine="torch", fused_norm=fused_norm, autocast=autocast)
     held = act.stage_layer_activations(
@@ -216,8 +229,6 @@ def pipeline_last_backward(
     )
     outputs = pipe.pipeline_stage_outputs(m, p, t, stage=stage, engine="torch", autocast=autocast)
     per_chunk = (held - working + outputs) // inflight  # its activations and its kept stage output
-    n = stage_params(m, stage=stage, pp=p.pp, tp=p.tp)
-    grads = 4 * n if p.zero_stage >= 2 and p.dp * p.cp > 1 else terms["step_grads"]
     more = max(0, grads - (inflight - 1) * per_chunk)
     terms["grad_reduce"] += more
     return buffers + more

@@ -249,7 +249,7 @@ def stage_estimate(spec: RunSpec, stage: int, engine: str) -> StageEstimate:
         )
     if engine == "torch" and p.pp > 1 and grads == "none":
         buffers = pipeline_last_backward(
-            spec, stage, terms, buffers, fused_norm=fused_norm, autocast=layout[-1]
+            spec, stage, terms, buffers, activations, fused_norm=fused_norm, autocast=layout[-1]
         )
     if engine == "torch" and p.zero_stage == 3 and p.dp * p.cp > 1 and stage == p.pp - 1:
         buffers = fsdp_last_stage_peaks(spec, stage, terms, buffers, activations)

@@ -96,6 +96,7 @@ def test_the_safe_threshold_and_the_80_percent_rule_are_measured_on_the_cards_ve
     assert "### On the card" in lines and "ran out by fragmentation 2" in lines
 
 
+@pytest.mark.slow  # (11 s)
 def test_calibrate_and_report_read_several_results_directories(tmp_path, frame_on_card):
     """``calibrate.also_results``: the runs of more directories join results_dir's; the profile and the
     report must then be named (neither is one directory's own), and the report says how it was made."""

@@ -37,6 +37,7 @@ def _real_rank0(s) -> int:
     return real["per_rank_peak_bytes"][0]
 
 
+@pytest.mark.slow  # (13 s; fake FSDP2 ranks against real ones: also tests/runner/test_fake.py)
 def test_fsdp_dry_run_equals_the_real_rank():
     real, fake = _real_and_fake(parallel_dp=4, parallel_zero_stage=3)
     # Real rank 0 also holds the step's token ids and targets (28 KiB here); nothing else differs.

@@ -122,6 +122,7 @@ def test_a_layout_traced_with_another_data_parallel_size_is_taken_with_this_layo
     ]
 
 
+@pytest.mark.slow  # (13 s; the cache's replay against each card is pinned by the tests above)
 def test_harness_run_fake_takes_a_rank_traced_for_another_card_from_the_cache(tmp_path):
     """``run.fake_cache``: tiny dp 2 traced for an A100 is taken as it is for an H100 (nothing traced
     again: the record says which ranks came from the cache), the same figures, the H100's name."""

@@ -124,7 +124,7 @@ FAST = {
     ("top2", "dp2-zero3"),
     ("top2", "cp2"),
     ("top2", "pp2-1f1b"),
-    ("shared-sigmoid-top3", "dp2-cp2-pp2-zero2"),
+    ("shared-sigmoid-top3", "dp2-zero3"),
 }
 CASES = [
     pytest.param(v, n, id=f"{v}-{n}", marks=() if (v, n) in FAST else pytest.mark.slow)
