@@ -69,16 +69,20 @@ class MoE(nn.Module):
         # The global positions of this rank's tokens (None: 0 … s − 1); context parallelism sets them.
         self.positions: list[int] | None = None
         self._counts: dict[tuple[int, int], list[int]] = {}
+        self._ids: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def _routing(self, batch: int, seq: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
-        """Each token's experts (T, k) int64 and the rows each expert receives (Python ints, so the
-        split is static: no host sync, and a fake run traces it)."""
+        """Each token's experts (T, k) int64, a new tensor in every forward as torchtitan's top-k is
+        (repeated over the batch from one sequence's, made once per device: no per-step host work), and
+        the rows each expert receives (Python ints, so the split is static: no host sync, and a fake run
+        traces it)."""
         positions = self.positions if self.positions is not None else list(range(seq))
-        ids = torch.tensor([self.table[p % len(self.table)] for p in positions], device=device)
-        key = (batch, seq)
-        if key not in self._counts:
-            self._counts[key] = expert_counts(self.table, positions, batch)
-        return ids.repeat(batch, 1), self._counts[key]
+        if (seq, device) not in self._ids:
+            rows = [self.table[p % len(self.table)] for p in positions]
+            self._ids[(seq, device)] = torch.tensor(rows, device=device)
+        if (batch, seq) not in self._counts:
+            self._counts[(batch, seq)] = expert_counts(self.table, positions, batch)
+        return self._ids[(seq, device)].repeat(batch, 1), self._counts[(batch, seq)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape

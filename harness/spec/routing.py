@@ -35,7 +35,10 @@ def expert_counts(table: list[list[int]], positions: list[int], batch: int) -> l
 
 
 def local_position_list(seq_len: int, *, rank: int, cp: int, load_balance: bool) -> list[int]:
-    """:func:`local_positions` as Python ints (a fake run's tensors cannot be read back)."""
+    """Global positions of the tokens context-parallel rank ``rank`` of ``cp`` holds, in its order
+    (head–tail with ``load_balance``: chunks r and 2·cp − 1 − r of 2·cp), as Python ints: the runner's
+    ``parallel/context.py`` makes its index tensor from them, and a fake run's tensors cannot be read
+    back."""
     if not load_balance:
         chunk = seq_len // cp
         return list(range(rank * chunk, (rank + 1) * chunk))
