@@ -30,12 +30,18 @@ from harness.spec import ModelSpec, ParallelSpec, TrainSpec
 from harness.spec.routing import rank_expert_rows
 
 
+def routed_rows(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> tuple[int, int]:
+    """(T, N): the tokens one micro-batch brings to an MoE layer on one rank, b·s/c, and the routed rows
+    they make, T·k."""
+    tokens = t.micro_batch_size * (t.seq_len // p.cp)
+    return tokens, tokens * m.experts_per_token
+
+
 def moe_layer_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast: bool) -> int:
     """Bytes one MoE block's MLP keeps for backward for one micro-batch on one rank (torch engine;
     tensor parallelism of experts is refused by validation)."""
     h, big_e, k = m.hidden_size, m.num_experts, m.experts_per_token
-    tokens = t.micro_batch_size * (t.seq_len // p.cp)
-    rows = tokens * k
+    tokens, rows = routed_rows(m, p, t)
     e = elem_bytes(t.precision)
     fp32_input = t.precision == "fp32" or autocast
     router = 4 * tokens * h + 4 * tokens * big_e + 8 * tokens * k
@@ -75,8 +81,7 @@ def moe_backward_working_set(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int
     backward works on their (n_e, f_e) slices, less. Measured: pipeline stage 0 of ``tiny_moe``
     (s 512, BF16 and FP32) read 2.7-4.4 % above the engine with the dense figure, within 0.2 % with
     this one."""
-    rows = t.micro_batch_size * (t.seq_len // p.cp) * m.experts_per_token
-    return 3 * 4 * rows * m.hidden_size
+    return 3 * 4 * routed_rows(m, p, t)[1] * m.hidden_size
 
 
 def moe_op_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
@@ -89,7 +94,7 @@ def moe_op_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
     policy would keep the first and the third; the runner runs one expert at a time (harness/runner/
     moe.py), and this counts what it keeps."""
     h, f, e = m.hidden_size, m.moe_ffn_hidden_size, elem_bytes(t.precision)
-    tokens = t.micro_batch_size * (t.seq_len // p.cp)
+    tokens, _ = routed_rows(m, p, t)
     rows = rank_expert_rows(
         m.num_experts,
         m.experts_per_token,

@@ -33,6 +33,7 @@ from functools import lru_cache
 
 from harness.estimate.buffers import kept_head
 from harness.estimate.dtypes import elem_bytes, torch_autocast
+from harness.estimate.moe import routed_rows
 from harness.estimate.params import layer_params, mlp_matrices, non_layer_params
 from harness.estimate.states import torch_grads_at_peak
 from harness.spec import ModelSpec, ParallelSpec, RunSpec, TrainSpec
@@ -85,7 +86,7 @@ def layer_tensors(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast: bool
         return attention + (sbf * e // tc,) * 4
     # a mixture of experts (harness/estimate/moe.py): the routed rows, each expert's four SwiGLU
     # tensors on its share of them, the combine's FP32 product (sizes of a balanced routing)
-    rows = sb // c * m.experts_per_token
+    rows = routed_rows(m, p, t)[1]
     per_expert = rows // m.num_experts * m.moe_ffn_hidden_size * e
     return (
         attention + (rows * m.hidden_size * e, rows * m.hidden_size * 4) + (per_expert,) * (4 * m.num_experts)

@@ -132,16 +132,14 @@ def _activation_terms(
     )
     logits = act.logits(m, p, t, stage=stage, engine=engine)
     loss = buf.loss(m, p, t, stage=stage, engine=engine)
-    if engine == "torch" and schedule != "gpipe":  # GPipe keeps every micro-batch's loss buffers
-        # The layer recomputed in backward and the loss's buffers are never alive together: backward
-        # reaches the layers after the head's gradient is made and the loss buffers are freed, so the
-        # peak holds the larger of the two. Measured on the CPU study: full recomputation was
-        # over-predicted by ~19 % when both were added.
-        working = act.recompute_working_set(m, p, t, engine=engine, fused_norm=fused_norm, autocast=autocast)
-        activations -= min(working, logits + loss)
     if engine == "torch":
-        # A block's backward gradients: a peak of their own where no loss buffers come first.
-        activations += max(0, act.backward_working_set(m, p, t) - logits - loss)
+        # The recomputed block and a block's gradients are never alive with the loss's buffers: backward
+        # reaches the blocks after the head's gradient is made and the loss buffers are freed.
+        # (stage_layer_activations counted the recomputed block whole.)
+        working, _, counted = act.backward_working_sets(
+            m, p, t, loss_chain=logits + loss, fused_norm=fused_norm, autocast=autocast
+        )
+        activations += counted - working
         activations += pipe.pipeline_stage_outputs(m, p, t, stage=stage, engine=engine, autocast=autocast)
         activations -= pipe.received_input_saved(
             m, p, t, stage=stage, engine=engine, fused_norm=fused_norm, autocast=autocast
@@ -183,9 +181,9 @@ def forward_end(
     Mutates ``terms``; returns (buffers, activations)."""
     m, p, t = spec.model, spec.parallel, spec.train
     loss_chain = terms["logits"] + terms["loss"]
-    working = act.recompute_working_set(m, p, t, engine="torch", fused_norm=fused_norm, autocast=True)
-    gradients = act.backward_working_set(m, p, t)
-    backward_only = working - min(working, loss_chain) + max(0, gradients - loss_chain)
+    _, _, backward_only = act.backward_working_sets(
+        m, p, t, loss_chain=loss_chain, fused_norm=fused_norm, autocast=True
+    )
     logits, loss = buf.forward_end_loss_chain(m, p, t)
     saved = loss_chain - logits - loss + backward_only  # what the forward's end does not hold
     if p.tp > 1 or casts <= saved:  # the backward's peak

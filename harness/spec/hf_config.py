@@ -191,8 +191,7 @@ def _moe_fields(cfg: dict[str, Any], model_type: str, where: str) -> dict[str, A
         ffn = cfg.get("moe_intermediate_size")
         shared_width = cfg.get("shared_expert_intermediate_size") or 0
         norm = bool(cfg.get("norm_topk_prob", model_type == "qwen3_moe"))
-        dense = [k for k in ("mlp_only_layers",) if _switched_on(cfg.get(k))]
-        if cfg.get("decoder_sparse_step", 1) != 1 or dense:
+        if cfg.get("decoder_sparse_step", 1) != 1 or _switched_on(cfg.get("mlp_only_layers")):
             raise HFConfigError(
                 f"{where}: cannot model dense layers among expert layers (decoder_sparse_step "
                 f"{cfg.get('decoder_sparse_step', 1)}, mlp_only_layers {cfg.get('mlp_only_layers') or []})"
