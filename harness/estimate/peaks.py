@@ -195,6 +195,7 @@ def pipeline_last_backward(
     spec: RunSpec,
     stage: int,
     terms: dict[str, int],
+    base: int,
     buffers: int,
     activations: int,
     *,
@@ -214,15 +215,21 @@ def pipeline_last_backward(
     ``grad_reduce`` (gradient memory of backward beyond the states, as in
     :func:`replicated_embedding_grad`), and only where it can set the stage's peak: it adds at most the
     gradients, so where the optimizer step's candidate exceeds the forward/backward terms by more, it is
-    not computed (``plan`` estimates tens of thousands of layouts). Mutates ``terms``; returns the
-    forward/backward buffers' new sum."""
+    not computed (``plan`` estimates tens of thousands of layouts). ``base``: the forward/backward
+    buffers before any other later candidate (:func:`replicated_embedding_grad`'s, at stage 0 under
+    tensor parallelism): this one is a different moment, so it is taken against that sum and adds only
+    what it holds above the buffers as they are (the two once stacked, counting the gradients twice:
+    Llama-2-7B tp 2 × pp 2 × cp 2, ZeRO-0, stage 0 read 6.3 GiB too high, and more context parallelism
+    seemed to cost memory). Mutates ``terms``; returns the forward/backward buffers' new sum."""
     m, p, t = spec.model, spec.parallel, spec.train
     inflight = act.inflight_chunks(p, t, stage=stage)
     if t.num_microbatches * p.virtual_stages < 2 or inflight < 2:
         return buffers
     n = stage_params(m, stage=stage, pp=p.pp, tp=p.tp)
     grads = 4 * n if p.zero_stage >= 2 and p.dp * p.cp > 1 else terms["step_grads"]
-    if buffers + activations + grads <= terms["step_grads"] + terms["optimizer_step"]:
+    if base + activations + grads <= max(
+        buffers + activations, terms["step_grads"] + terms["optimizer_step"]
+    ):
         return buffers
     working = act.recompute_working_set(m, p, t, engine="torch", fused_norm=fused_norm, autocast=autocast)
     held = act.stage_layer_activations(
@@ -230,6 +237,6 @@ def pipeline_last_backward(
     )
     outputs = pipe.pipeline_stage_outputs(m, p, t, stage=stage, engine="torch", autocast=autocast)
     per_chunk = (held - working + outputs) // inflight  # its activations and its kept stage output
-    more = max(0, grads - (inflight - 1) * per_chunk)
+    more = max(0, base + grads - (inflight - 1) * per_chunk - buffers)
     terms["grad_reduce"] += more
     return buffers + more
