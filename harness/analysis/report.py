@@ -61,6 +61,9 @@ def _extras(r: pd.Series) -> str:
     m = r.get("train_num_microbatches")
     if m is not None and m == m and int(m) > max(1, int(r["parallel_pp"])):
         out += f" m{int(m)}"
+    ep = r.get("parallel_ep")
+    if ep is not None and ep == ep and int(ep) > 1:
+        out += f" ep{int(ep)}"
     return out
 
 

@@ -38,6 +38,7 @@ MEANINGS: dict[str, str] = {
     "parallel.tp": "tensor-parallel degree (divides heads, KV heads, FFN size and vocabulary)",
     "parallel.pp": "pipeline stages (divides the layers, unless parallel.pp_layers)",
     "parallel.pp_layers": "blocks per pipeline stage, first to last, e.g. [30,32,32,32]; []: layers/pp each",
+    "parallel.ep": "expert parallelism (MoE): experts split over ep of the dp·cp ranks; 1: none",
     "parallel.cp": "context-parallel degree (the sequence is split in 2·cp chunks when balanced)",
     "parallel.zero_stage": "0 DDP | 1 sharded optimizer | 2 FSDP2 without reshard | 3 FSDP2",
     "parallel.sequence_parallel": "with tp > 1: norm inputs and boundary activations split by sequence",

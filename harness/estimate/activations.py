@@ -265,7 +265,7 @@ def recompute_working_set(
         m, p, t, engine=engine, recompute="none", fused_norm=fused_norm, autocast=autocast
     )
     # Without a pipeline the recomputed blocks cast their weights again (:func:`checkpointed_casts`).
-    casts = 2 * layer_params(m, tp=p.tp) if autocast and engine == "torch" and p.pp == 1 else 0
+    casts = 2 * layer_params(m, tp=p.tp, ep=p.ep) if autocast and engine == "torch" and p.pp == 1 else 0
     if t.recompute == "full":
         layers, n = m.num_layers // (p.pp * p.virtual_stages), t.recompute_every
         kept = layer_input_bytes(m, p, t, autocast=autocast)
@@ -305,7 +305,7 @@ def checkpointed_casts(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast:
     if not autocast or p.pp > 1 or t.recompute not in ("full", "op"):
         return 0
     covered = m.num_layers // p.pp if t.recompute == "op" else recomputed_layers(m, p, t) * p.virtual_stages
-    return 2 * layer_params(m, tp=p.tp) * covered
+    return 2 * layer_params(m, tp=p.tp, ep=p.ep) * covered
 
 
 def backward_working_set(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:

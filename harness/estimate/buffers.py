@@ -13,7 +13,7 @@ from harness.spec import ModelSpec, ParallelSpec, TrainSpec
 
 
 def fsdp_allgather(
-    m: ModelSpec, *, stage: int, pp: int, tp: int, zero_stage: int, precision: str, engine: str
+    m: ModelSpec, *, stage: int, pp: int, tp: int, zero_stage: int, precision: str, engine: str, ep: int = 1
 ) -> int:
     """ZeRO-3 all-gather outputs alive at the peak, in the compute dtype.
 
@@ -31,8 +31,8 @@ def fsdp_allgather(
     e = elem_bytes(precision)
     root = non_layer_params(m, stage=stage, pp=pp, tp=tp)
     if engine == "torch":
-        return 2 * e * (layer_params(m, tp=tp) + root)
-    return e * (2 * layer_params(m, tp=tp) + root)
+        return 2 * e * (layer_params(m, tp=tp, ep=ep) + root)
+    return e * (2 * layer_params(m, tp=tp, ep=ep) + root)
 
 
 def kept_head(m: ModelSpec, p: ParallelSpec) -> int:
@@ -72,7 +72,7 @@ def fsdp_root_regather(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: in
         shards = p.dp * p.cp
         padded = -(-head // shards) * shards
         embedding = 0 if m.tie_embeddings else m.vocab_size * m.hidden_size // p.tp
-        return e * (embedding + head + layer_params(m, tp=p.tp)) + 4 * padded + 4 * padded // shards
+        return e * (embedding + head + layer_params(m, tp=p.tp, ep=p.ep)) + 4 * padded + 4 * padded // shards
     return 2 * e * root + grad_out
 
 

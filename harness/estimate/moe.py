@@ -19,8 +19,10 @@ The router's input is the MLP's input itself where that is FP32 (FP32 runs and B
 residual stream and norms are FP32), else (FSDP2's BF16 parameters) an FP32 copy of it. The shared
 experts keep their input as a dense MLP does: under autocast one BF16 cast for each of the gate and up
 projections, in FP32 the MLP's input (already kept for the router), under FSDP2's BF16 the BF16 input.
-Balanced or not, only N matters on one rank: the imbalance moves rows between experts (expert
-parallelism, where it decides a rank's rows, is not built yet).
+Balanced or not, only N matters on one rank without expert parallelism: the imbalance moves rows
+between experts. With it (``parallel.ep``) a rank's experts run the rows the all-to-all brings
+(:func:`received_rows`), more on the rank holding the most-loaded expert; the routed buffer it sent is
+not kept, the received one is.
 """
 
 from __future__ import annotations
@@ -37,6 +39,30 @@ def routed_rows(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> tuple[int, int]:
     return tokens, tokens * m.experts_per_token
 
 
+def received_rows(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> list[int]:
+    """Rows each expert a rank runs receives from one micro-batch: without expert parallelism every
+    expert's rows of this rank's tokens (context-parallel rank 0); with it (``parallel.ep``), its E/ep
+    experts' rows from every rank of its ep group (the first group: dp·cp ranks 0 … ep − 1, whose
+    context-parallel ranks are their index mod cp), on the most-loaded rank — the one holding expert 0
+    when ``moe_imbalance`` > 1 (harness/runner/moe.py's all-to-all)."""
+    per = m.num_experts // p.ep
+    sources = [
+        rank_expert_rows(
+            m.num_experts,
+            m.experts_per_token,
+            t.moe_imbalance,
+            seq_len=t.seq_len,
+            batch=t.micro_batch_size,
+            cp=p.cp,
+            load_balance=p.cp_load_balance,
+            cp_rank=j % p.cp,
+        )
+        for j in range(p.ep)
+    ]
+    ranks = [[sum(src[r * per + e] for src in sources) for e in range(per)] for r in range(p.ep)]
+    return max(ranks, key=sum)
+
+
 def moe_layer_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast: bool) -> int:
     """Bytes one MoE block's MLP keeps for backward for one micro-batch on one rank (torch engine;
     tensor parallelism of experts is refused by validation)."""
@@ -47,8 +73,11 @@ def moe_layer_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast: bo
     router = 4 * tokens * h + 4 * tokens * big_e + 8 * tokens * k
     if m.moe_norm_topk:
         router += 4 * tokens * k + 4 * tokens
-    dispatch = 16 * rows + e * rows * h
-    experts = 4 * e * rows * m.moe_ffn_hidden_size
+    # The experts keep their input rows: this rank's own routed rows, or with expert parallelism the
+    # rows the all-to-all brought (the routed buffer it sent is kept by nothing).
+    recv = sum(received_rows(m, p, t))
+    dispatch = 16 * rows + e * recv * h
+    experts = 4 * e * recv * m.moe_ffn_hidden_size
     combine = 4 * rows * h + 4 * rows
     shared = 0
     f_shared = m.moe_ffn_hidden_size * m.num_shared_experts
@@ -89,22 +118,18 @@ def moe_op_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
     the outputs of every second matmul, counted through the block — after attention's four (wq and wv
     kept) the router's (the 5th, kept: FP32 (T, E)), then each expert's w1, w3 and w2 in turn (the
     6th, 7th, 8th, ...: expert j keeps w3's output when j is even, w1's and w2's when it is odd), then
-    the shared experts'. Each expert's rows from the routing (:func:`rank_expert_rows`, context-
-    parallel rank 0). torchtitan's grouped GEMM is three matmuls for all experts at once, where its
-    policy would keep the first and the third; the runner runs one expert at a time (harness/runner/
-    moe.py), and this counts what it keeps."""
+    the shared experts'. Each expert's rows from the routing (:func:`received_rows`). torchtitan's
+    grouped GEMM is three matmuls for all experts at once, where its policy would keep the first and
+    the third; the runner runs one expert at a time (harness/runner/moe.py), and this counts what it
+    keeps."""
     h, f, e = m.hidden_size, m.moe_ffn_hidden_size, elem_bytes(t.precision)
     tokens, _ = routed_rows(m, p, t)
-    rows = rank_expert_rows(
-        m.num_experts,
-        m.experts_per_token,
-        t.moe_imbalance,
-        seq_len=t.seq_len,
-        batch=t.micro_batch_size,
-        cp=p.cp,
-        load_balance=p.cp_load_balance,
-    )
+    rows = received_rows(m, p, t)
     kept = 4 * tokens * m.num_experts  # the router's output, the 5th matmul
+    # torchtitan's list names the all-to-all (``_c10d_functional.all_to_all_single``), but the layer
+    # calls its autograd variant (``_c10d_functional_autograd.all_to_all_single``, as torchtitan's
+    # dispatcher does), which is what the policy sees: its outputs are recomputed, not kept (counting
+    # them read a cp 2 × ep 2 run 5 % above what it measured).
     index = 6
     widths = [(n, (f, f, h)) for n in rows]
     if m.num_shared_experts:

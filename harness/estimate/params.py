@@ -20,24 +20,25 @@ import heapq
 from harness.spec import ModelSpec
 
 
-def mlp_matrices(m: ModelSpec) -> list[int]:
-    """The elements of each matrix of one block's MLP: the three SwiGLU projections, or a mixture of
-    experts' router, every expert's three and the shared experts' three."""
+def mlp_matrices(m: ModelSpec, *, ep: int = 1) -> list[int]:
+    """The elements of each matrix of one block's MLP on one rank: the three SwiGLU projections, or a
+    mixture of experts' router, the three of each of its E/ep experts (expert parallelism) and the
+    shared experts' three."""
     h = m.hidden_size
     if not m.moe:
         return [h * m.ffn_hidden_size] * 3
     shared = m.moe_ffn_hidden_size * m.num_shared_experts
     return (
         [h * m.num_experts]
-        + [h * m.moe_ffn_hidden_size] * (3 * m.num_experts)
+        + [h * m.moe_ffn_hidden_size] * (3 * (m.num_experts // ep))
         + ([h * shared] * 3 if shared else [])
     )
 
 
-def layer_matrix_params(m: ModelSpec) -> int:
+def layer_matrix_params(m: ModelSpec, *, ep: int = 1) -> int:
     """Weights of one layer's matrices: Q, K, V, O and the MLP's (:func:`mlp_matrices`)."""
     h = m.hidden_size
-    return 2 * h * m.q_width + 2 * h * m.kv_width + sum(mlp_matrices(m))
+    return 2 * h * m.q_width + 2 * h * m.kv_width + sum(mlp_matrices(m, ep=ep))
 
 
 def qkv_bias_params(m: ModelSpec) -> int:
@@ -48,10 +49,10 @@ def qkv_bias_params(m: ModelSpec) -> int:
     return m.q_width + 2 * m.kv_width
 
 
-def layer_params(m: ModelSpec, *, tp: int = 1) -> int:
+def layer_params(m: ModelSpec, *, tp: int = 1, ep: int = 1) -> int:
     """Parameters of one transformer layer on one tensor-parallel rank (norm weights replicated; Qwen3's
-    query and key norms of d each)."""
-    return (layer_matrix_params(m) + qkv_bias_params(m)) // tp + 2 * m.hidden_size + qk_norm_params(m)
+    query and key norms of d each); with expert parallelism, its share of the experts."""
+    return (layer_matrix_params(m, ep=ep) + qkv_bias_params(m)) // tp + 2 * m.hidden_size + qk_norm_params(m)
 
 
 def qk_norm_params(m: ModelSpec) -> int:
@@ -82,9 +83,17 @@ def non_layer_params(m: ModelSpec, *, stage: int, pp: int, tp: int = 1) -> int:
     return out
 
 
-def stage_params(m: ModelSpec, *, stage: int, pp: int, tp: int = 1) -> int:
-    """Parameters on one rank of pipeline ``stage`` (its L/pp layers plus its share of the rest)."""
-    return m.num_layers // pp * layer_params(m, tp=tp) + non_layer_params(m, stage=stage, pp=pp, tp=tp)
+def stage_params(m: ModelSpec, *, stage: int, pp: int, tp: int = 1, ep: int = 1) -> int:
+    """Parameters on one rank of pipeline ``stage`` (its L/pp layers plus its share of the rest; with
+    expert parallelism 1/ep of the experts)."""
+    return m.num_layers // pp * layer_params(m, tp=tp, ep=ep) + non_layer_params(m, stage=stage, pp=pp, tp=tp)
+
+
+def expert_params(m: ModelSpec, *, stage: int, pp: int, ep: int = 1) -> int:
+    """The routed experts' parameters one rank of ``stage`` holds (1/ep of them; 0 for a dense model)."""
+    if not m.moe:
+        return 0
+    return m.num_layers // pp * 3 * m.hidden_size * m.moe_ffn_hidden_size * (m.num_experts // ep)
 
 
 def param_numels(m: ModelSpec, *, stage: int, pp: int, tp: int = 1) -> list[tuple[int, int]]:

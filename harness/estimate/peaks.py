@@ -152,7 +152,7 @@ def fsdp_block_backward(spec: RunSpec, terms: dict[str, int], activations: int) 
     held = activations - loss_chain - counted + working + gradients
     return (
         held
-        + 3 * elem_bytes(t.precision) * layer_params(m, tp=p.tp)
+        + 3 * elem_bytes(t.precision) * layer_params(m, tp=p.tp, ep=p.ep)
         + terms["grad_reduce"]
         + terms["param_copies"]
     )
@@ -225,7 +225,7 @@ def pipeline_last_backward(
     inflight = act.inflight_chunks(p, t, stage=stage)
     if t.num_microbatches * p.virtual_stages < 2 or inflight < 2:
         return buffers
-    n = stage_params(m, stage=stage, pp=p.pp, tp=p.tp)
+    n = stage_params(m, stage=stage, pp=p.pp, tp=p.tp, ep=p.ep)
     grads = 4 * n if p.zero_stage >= 2 and p.dp * p.cp > 1 else terms["step_grads"]
     if base + activations + grads <= max(
         buffers + activations, terms["step_grads"] + terms["optimizer_step"]

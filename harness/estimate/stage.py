@@ -10,7 +10,7 @@ from harness.estimate import buffers as buf
 from harness.estimate import pipeline as pipe
 from harness.estimate import states as st
 from harness.estimate.dtypes import torch_autocast
-from harness.estimate.params import param_numels, stage_params, zero1_partitions
+from harness.estimate.params import expert_params, param_numels, stage_params, zero1_partitions
 from harness.estimate.peaks import (
     fsdp_last_stage_peaks,
     pipeline_last_backward,
@@ -37,10 +37,14 @@ def _state_terms(
     precision: str,
     engine: str,
     grads_at_peak: str,
+    ep: int = 1,
 ) -> tuple[Items, int, int, int]:
     """(items, states sum, forward/backward buffers sum, optimizer-step sum). ``grads_at_peak``: torch's
-    :func:`states.torch_grads_at_peak` (megatron keeps its gradient buffer: "kept")."""
-    n = stage_params(m, stage=stage, pp=pp, tp=tp)
+    :func:`states.torch_grads_at_peak` (megatron keeps its gradient buffer: "kept"). ``ep``: expert
+    parallelism — the rank holds 1/ep of the experts, sharded over dp·cp/ep ranks (so its shard of them
+    is the whole stage's / dp·cp, as without it)."""
+    n = stage_params(m, stage=stage, pp=pp, tp=tp, ep=ep)
+    whole = stage_params(m, stage=stage, pp=pp, tp=tp)
     if engine == "torch" and shards == 1:
         zero = 0  # the runner wraps nothing for one data-parallel rank: every ZeRO stage is plain AdamW
     partition = 0
@@ -49,12 +53,17 @@ def _state_terms(
     if engine == "megatron":
         states = st.megatron_states(n, zero_stage=zero, shards=shards, precision=precision)
     else:
-        states = st.torch_states(n, zero_stage=zero, shards=shards, precision=precision, partition=partition)
+        states = st.torch_states(
+            n, zero_stage=zero, shards=shards, precision=precision, partition=partition, sharded=whole
+        )
     step_grads = unsharded = 0
     if grads_at_peak == "none":  # made in backward, gone after the step: the step's term only
         states["grads"], step_grads = 0, states["grads"]
     elif grads_at_peak == "kept_and_accumulated":  # DDP's buckets and no_sync's own gradients
-        states["grads"] *= 2
+        # (the experts', which DDP ignores under expert parallelism, have no bucket)
+        states["grads"] += (
+            4 * (n - expert_params(m, stage=stage, pp=pp, ep=ep)) if ep > 1 else states["grads"]
+        )
     elif grads_at_peak == "accumulated" and zero >= 2:
         # FSDP2 accumulates them unsharded, in its reduce dtype: the runner's policy reduces in FP32,
         # and a BF16 gradient is upcast as it is kept (FSDPParam.to_accumulated_grad_if_needed, torch
@@ -82,14 +91,16 @@ def _state_terms(
         (
             "fsdp_allgather",
             buf.fsdp_allgather(
-                m, stage=stage, pp=pp, tp=tp, zero_stage=zero, precision=precision, engine=engine
+                m, stage=stage, pp=pp, tp=tp, zero_stage=zero, precision=precision, engine=engine, ep=ep
             ),
         ),
         ("grad_reduce", buf.grad_reduce(m, tp=tp, zero_stage=zero, shards=shards, engine=engine) + unsharded),
         ("step_grads", step_grads),
         (
             "optimizer_step",
-            buf.optimizer_step(n, zero_stage=zero, shards=shards, engine=engine, partition=partition),
+            buf.optimizer_step(
+                whole if zero >= 2 else n, zero_stage=zero, shards=shards, engine=engine, partition=partition
+            ),
         ),
     )
     d = dict(items)
@@ -114,7 +125,7 @@ def _activation_terms(
     m: ModelSpec, t: TrainSpec, stage: int, engine: str, layout: tuple
 ) -> tuple[Items, int]:
     """(items, their sum: all are forward/backward terms)."""
-    tp, pp, cp, sp, schedule, v, balance, fused_norm, gloo, autocast = layout
+    tp, pp, cp, sp, schedule, v, balance, ep, fused_norm, gloo, autocast = layout
     # Activations depend on neither dp nor the ZeRO stage: they are not part of the key.
     p = ParallelSpec(
         dp=1,
@@ -126,6 +137,7 @@ def _activation_terms(
         pp_schedule=schedule,
         virtual_stages=v,
         cp_load_balance=balance,
+        ep=ep,
     )
     activations = act.stage_layer_activations(
         m, p, t, stage=stage, engine=engine, fused_norm=fused_norm, autocast=autocast
@@ -218,7 +230,7 @@ def stage_estimate(spec: RunSpec, stage: int, engine: str) -> StageEstimate:
     m, p, t = spec.model, spec.parallel, spec.train
     grads = st.torch_grads_at_peak(p, t, stage=stage) if engine == "torch" else "kept"
     s_items, states, buffers, step = _state_terms(
-        m, stage, p.pp, p.tp, p.dp * p.cp, p.zero_stage, t.precision, engine, grads
+        m, stage, p.pp, p.tp, p.dp * p.cp, p.zero_stage, t.precision, engine, grads, p.ep
     )
     # On a GPU the runner's RMSNorm is CUDA's fused kernel (activations.norm_tensors).
     fused_norm = spec.device.name != "cpu"
@@ -230,6 +242,7 @@ def stage_estimate(spec: RunSpec, stage: int, engine: str) -> StageEstimate:
         p.pp_schedule,
         p.virtual_stages,
         p.cp_load_balance,
+        p.ep,
         fused_norm,
         spec.device.name == "cpu",  # gloo's works hold their tensors (pipeline.one_f_one_b_sends_kept)
         engine == "torch" and torch_autocast(p, t),

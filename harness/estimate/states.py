@@ -36,7 +36,7 @@ def megatron_states(n: int, *, zero_stage: int, shards: int, precision: str) -> 
 
 
 def torch_states(
-    n: int, *, zero_stage: int, shards: int, precision: str, partition: int = 0
+    n: int, *, zero_stage: int, shards: int, precision: str, partition: int = 0, sharded: int | None = None
 ) -> dict[str, int]:
     """What the runner's PyTorch code keeps, for any precision: FP32 parameters (AdamW updates them in
     place), FP32 gradients, AdamW's two FP32 moments ``exp_avg`` and ``exp_avg_sq`` (8 B).
@@ -60,10 +60,13 @@ def torch_states(
     """
     del precision  # FP32 master parameters and states in both modes; the compute dtype is elsewhere
     fsdp = zero_stage >= 2
+    # With expert parallelism the rank holds 1/ep of the experts (``n``) and shards them over the
+    # dp·cp/ep ranks that hold the same ones: its shard is the whole stage's count (``sharded``) / dp·cp.
+    s = n if sharded is None else sharded
     return {
-        "params": _shard(4 * n, shards) if fsdp else 4 * n,
-        "grads": _shard(4 * n, shards) if fsdp else 4 * n,
-        "optimizer": 8 * (partition if zero_stage == 1 and partition else _shard(n, shards))
+        "params": _shard(4 * s, shards) if fsdp else 4 * n,
+        "grads": _shard(4 * s, shards) if fsdp else 4 * n,
+        "optimizer": 8 * (partition if zero_stage == 1 and partition else _shard(s, shards))
         if zero_stage >= 1
         else 8 * n,
     }

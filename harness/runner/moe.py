@@ -25,9 +25,12 @@ no token is dropped, whatever the imbalance.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from harness.spec.routing import expert_counts, routing_table
 
@@ -49,6 +52,29 @@ class _ScatterAdd(torch.autograd.Function):
         return grad.index_select(0, index), None, None
 
 
+class Experts(nn.ModuleDict):
+    """A rank's experts, keyed by their global index, each run over its slice of the expert-major rows:
+    one module with a forward of its own, so that FSDP2 can make all of a block's experts one unit
+    (torchtitan's ``GroupedExperts``; a unit of several modules, each hooked alone, trained apart from
+    the reference under full recomputation with expert parallelism)."""
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        return torch.cat(
+            [expert(part) for expert, part in zip(self.values(), rows.split(counts), strict=True)]
+        )
+
+
+class _Dispatch(NamedTuple):
+    """An expert-parallel rank's all-to-all for one shape: rows it sends to / receives from each member
+    of its ep group, rows per local expert, and the received rows' expert-major order and its inverse."""
+
+    send: list[int]
+    recv: list[int]
+    local: list[int]
+    order: torch.Tensor
+    inverse: torch.Tensor
+
+
 class MoE(nn.Module):
     """Router, ``num_experts`` SwiGLU experts of ``moe_ffn_hidden_size``, optional shared experts (one
     SwiGLU of ``moe_ffn_hidden_size · num_shared_experts``, torchtitan's and DeepSeek's sizing) on every
@@ -60,9 +86,17 @@ class MoE(nn.Module):
         self.score = m.moe_router
         self.norm_topk = m.moe_norm_topk
         self.router = nn.Linear(m.hidden_size, m.num_experts, bias=False)
-        self.experts = nn.ModuleList(
-            [feed_forward(m, ffn_hidden_size=m.moe_ffn_hidden_size) for _ in range(m.num_experts)]
+        # Keyed by the global expert index (the same parameter names as a list), so that an expert-
+        # parallel rank keeps its share under the names, and the initial values, of the whole model.
+        self.experts = Experts(
+            {str(i): feed_forward(m, ffn_hidden_size=m.moe_ffn_hidden_size) for i in range(m.num_experts)}
         )
+        self.num_experts = m.num_experts
+        # Expert parallelism (harness/runner/parallel/expert.py): this rank's place in its ep group and
+        # each member's token positions; 1 and None without.
+        self.ep, self.ep_rank, self.ep_group = 1, 0, None
+        self.sources: list[list[int]] = []
+        self._plans: dict[tuple[int, int, torch.device], _Dispatch] = {}
         shared = m.moe_ffn_hidden_size * m.num_shared_experts
         self.shared = feed_forward(m, ffn_hidden_size=shared) if shared else None
         self.table = routing_table(m.num_experts, m.experts_per_token, imbalance)
@@ -84,6 +118,53 @@ class MoE(nn.Module):
             self._counts[(batch, seq)] = expert_counts(self.table, positions, batch)
         return self._ids[(seq, device)].repeat(batch, 1), self._counts[(batch, seq)]
 
+    def shard_experts(self, group, *, rank: int, size: int, sources: list[list[int]]) -> None:
+        """Keep experts rank·E/size … (rank + 1)·E/size − 1 (expert parallelism) and route over ``group``;
+        ``sources``: the token positions of each member of the group, in group-rank order."""
+        per = self.num_experts // size
+        for i in range(self.num_experts):
+            if not rank * per <= i < (rank + 1) * per:
+                del self.experts[str(i)]
+        self.ep, self.ep_rank, self.ep_group, self.sources = size, rank, group, sources
+
+    def _dispatch(self, batch: int, seq: int, device: torch.device) -> _Dispatch:
+        """The all-to-all's splits and the permutations around it, from every member's routing (made
+        once per shape and device)."""
+        key = (batch, seq, device)
+        if key not in self._plans:
+            per = self.num_experts // self.ep
+            counts = [expert_counts(self.table, positions, batch) for positions in self.sources]
+            send = [sum(counts[self.ep_rank][j * per : (j + 1) * per]) for j in range(self.ep)]
+            mine = [c[self.ep_rank * per : (self.ep_rank + 1) * per] for c in counts]  # [source][expert]
+            recv = [sum(rows) for rows in mine]
+            # The received rows are source-major (each source's rows expert-major); the experts want
+            # expert-major: row order for expert e, then source j.
+            starts, at = [], 0
+            for rows in mine:
+                starts.append([at + sum(rows[:e]) for e in range(per)])
+                at += sum(rows)
+            order = [starts[j][e] + r for e in range(per) for j in range(self.ep) for r in range(mine[j][e])]
+            inverse = [0] * len(order)
+            for position, row in enumerate(order):
+                inverse[row] = position
+            local = [sum(mine[j][e] for j in range(self.ep)) for e in range(per)]
+            self._plans[key] = _Dispatch(
+                send, recv, local, torch.tensor(order, device=device), torch.tensor(inverse, device=device)
+            )
+        return self._plans[key]
+
+    def _experts(self, routed: torch.Tensor, counts: list[int], batch: int, seq: int) -> torch.Tensor:
+        """The experts' output for the routed rows (expert-major, every expert's), in the same order;
+        with expert parallelism the rows go to the rank holding their expert and come back."""
+        if self.ep == 1:
+            return self.experts(routed, counts)
+        plan = self._dispatch(batch, seq, routed.device)
+        received = all_to_all_single_autograd(routed, plan.recv, plan.send, self.ep_group)
+        out = self.experts(received.index_select(0, plan.order), plan.local)
+        return all_to_all_single_autograd(
+            out.index_select(0, plan.inverse), plan.send, plan.recv, self.ep_group
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         flat = x.reshape(b * s, h)
@@ -100,9 +181,7 @@ class MoE(nn.Module):
             torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         )
         routed = flat.index_select(0, tokens).to(dtype)
-        out = torch.cat(
-            [expert(rows) for expert, rows in zip(self.experts, routed.split(counts), strict=True)]
-        )
+        out = self._experts(routed, counts, b, s)
         weighted = out.float() * gates.flatten().index_select(0, order).unsqueeze(1)
         combined = _ScatterAdd.apply(weighted, tokens, b * s)
         y = combined.to(x.dtype).view(b, s, h)

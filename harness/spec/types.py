@@ -47,7 +47,7 @@ ADDED_FIELD_DEFAULTS = {
         "qk_norm": False,
     },
     "train": {"recompute_every": 1, "recompute_method": "every", "grad_sync": "last", "moe_imbalance": 1.0},
-    "parallel": {"fsdp_reshard_after_forward": "always", "pp_layers": ()},
+    "parallel": {"fsdp_reshard_after_forward": "always", "pp_layers": (), "ep": 1},
     # The device's memory-beside-tensors constants and step-time figures: config_id hashes only the
     # device's name and capacity; raw_id (invalid points) leaves them out while they hold the default.
     "device": {
@@ -149,6 +149,11 @@ class ParallelSpec:
     pp_layers: tuple[int, ...] = ()
     # FSDP_RESHARD, at ZeRO-3 only; canonical: "always", or ZeRO-2 where it resolves to never.
     fsdp_reshard_after_forward: str = "always"
+    # Expert parallelism (a mixture of experts): each group of ep consecutive ranks of the flattened
+    # dp·cp group holds 1/ep of every MoE block's experts and exchanges routed tokens all-to-all
+    # (torchtitan's and Megatron's ep, carved from the data- and context-parallel ranks: not a factor
+    # of the world size).
+    ep: int = 1
 
     @property
     def world(self) -> int:

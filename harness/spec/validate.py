@@ -114,10 +114,55 @@ def _moe_problems(spec: RunSpec) -> list[str]:
     return out
 
 
+def _ep_problems(spec: RunSpec) -> list[str]:
+    """Expert parallelism: ep groups are carved from the flattened dp·cp ranks, each holding a whole
+    share of every block's experts."""
+    m, p = spec.model, spec.parallel
+    if p.ep == 1:
+        return []
+    if not m.num_experts:
+        return [f"parallel.ep={p.ep} needs a mixture of experts (model.num_experts > 0)"]
+    out = []
+    if m.num_experts % p.ep:
+        out.append(
+            f"parallel.ep={p.ep} must divide model.num_experts {m.num_experts} "
+            f"({m.num_experts} % {p.ep} = {m.num_experts % p.ep})"
+        )
+    if p.dp is not None and (p.dp * p.cp) % p.ep:
+        out.append(
+            f"parallel.ep={p.ep} must divide dp·cp = {p.dp}·{p.cp} = {p.dp * p.cp}: expert-parallel "
+            "ranks are data- and context-parallel ranks"
+        )
+    if p.zero_stage == 1:
+        out.append(
+            f"parallel.ep={p.ep} with zero_stage 1 is not built: ZeroRedundancyOptimizer partitions over "
+            "one group, and the experts' states belong to the dp·cp/ep ranks that share them "
+            "(use ZeRO 0, 2 or 3)"
+        )
+    t = spec.train
+    if p.dp is not None and p.ep == p.dp * p.cp and p.zero_stage >= 2 and t.recompute == "op":
+        # Found by running it: FSDP2's path for a one-rank mesh (each rank alone holds its experts)
+        # records profiler ranges inside the checkpointed block that the recomputation does not
+        # replay alike, and torch 2.13's selective checkpoint stops at backward.
+        out.append(
+            f"parallel.ep={p.ep} = dp·cp with zero_stage {p.zero_stage} and recompute=op is not built: "
+            "the experts' FSDP2 unit would span one rank, which torch 2.13's op-level recomputation "
+            "does not replay (use ep < dp·cp, ZeRO-0, or another recompute)"
+        )
+    return out
+
+
 def _too_large(spec: RunSpec) -> list[str]:
     m, p, t = spec.model, spec.parallel, spec.train
     out = []
-    for name, value in (("dp", p.dp), ("tp", p.tp), ("pp", p.pp), ("cp", p.cp), ("world_size", p.world_size)):
+    for name, value in (
+        ("dp", p.dp),
+        ("tp", p.tp),
+        ("pp", p.pp),
+        ("cp", p.cp),
+        ("ep", p.ep),
+        ("world_size", p.world_size),
+    ):
         if value is not None and value > MAX_RANKS:
             out.append(f"parallel.{name}={value} is over {MAX_RANKS:,} ranks")
     if p.pp * p.virtual_stages > MAX_CHUNKS:
@@ -173,7 +218,7 @@ def layout_problems(spec: RunSpec) -> list[str]:
         m,
         ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size", "vocab_size"),
     )
-    out += _positive("parallel", p, ("tp", "pp", "cp", "virtual_stages"))
+    out += _positive("parallel", p, ("tp", "pp", "cp", "ep", "virtual_stages"))
     out += _positive("train", t, ("seq_len", "micro_batch_size", "steps", "recompute_every"))
     if isinstance(t.steps, int) and t.steps == 1:
         out.append(
@@ -270,6 +315,7 @@ def layout_problems(spec: RunSpec) -> list[str]:
 
     if m.num_experts:
         out += _moe_problems(spec)
+    out += _ep_problems(spec)
     if m.qk_norm and p.tp > 1:
         out.append(
             f"tensor parallelism with qk_norm (Qwen3's query and key norms) is not built yet: tp {p.tp}"

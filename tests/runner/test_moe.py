@@ -6,6 +6,7 @@ Mixtral-8x7B as published."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 from conftest import fast_few, in_fresh_process, spec, stage_peaks
@@ -49,6 +50,25 @@ def test_a_moe_spec_is_checked_with_its_arithmetic():
         InvalidSpec, match=r"moe_imbalance · experts_per_token = 1.3·2 = 2.6\) a whole number"
     ):
         canonical(dataclasses.replace(s, train=dataclasses.replace(s.train, moe_imbalance=1.3)))
+    # Expert parallelism: ep groups are made of dp·cp ranks and hold whole shares of the experts.
+    ep = [
+        (dict(parallel_dp=2, parallel_ep=4), "parallel.ep=4 must divide dp·cp = 2·1 = 2"),
+        (dict(parallel_dp=6, parallel_ep=3), "parallel.ep=3 must divide model.num_experts 8 (8 % 3 = 2)"),
+        (dict(parallel_dp=2, parallel_ep=2, parallel_zero_stage=1), "with zero_stage 1 is not built"),
+        (
+            dict(parallel_dp=2, parallel_ep=2, parallel_zero_stage=3, train_recompute="op"),
+            "the experts' FSDP2 unit would span one rank",
+        ),
+    ]
+    for overrides, message in ep:
+        with pytest.raises(InvalidSpec, match=re.escape(message)):
+            spec("tiny_moe", **overrides)
+    with pytest.raises(InvalidSpec, match=r"parallel.ep=2 needs a mixture of experts"):
+        spec("tiny", parallel_dp=2, parallel_ep=2)
+    # ep = 1 is every existing run: its config_id is unchanged by the new field.
+    assert config_id(spec("tiny_moe", parallel_dp=2, parallel_ep=1)) == config_id(
+        spec("tiny_moe", parallel_dp=2)
+    )
     # A dense model's expert fields have no effect: the same config_id whatever they hold.
     dense = spec("tiny")
     moe_fields = dataclasses.replace(dense.model, experts_per_token=4, moe_ffn_hidden_size=7)
@@ -122,11 +142,30 @@ LAYOUTS = {
     "dp2-cp2-pp2-zero2": dict(
         parallel_dp=2, parallel_cp=2, parallel_pp=2, parallel_zero_stage=2, train_num_microbatches=2
     ),
+    # Expert parallelism: DDP (the experts' gradients reduced by hand), FSDP2 units over the expert
+    # data-parallel ranks, ep groups mixing cp ranks (different token positions), pipelines, both
+    # recomputations with the all-to-all inside
+    "dp2-ep2-zero0": dict(parallel_dp=2, parallel_ep=2, train_micro_batch_size=2),
+    "dp4-ep2-zero2": dict(parallel_dp=4, parallel_ep=2, parallel_zero_stage=2),
+    "dp2-cp2-ep4-accumulate2": dict(parallel_dp=2, parallel_cp=2, parallel_ep=4, train_num_microbatches=2),
+    "pp2-dp2-ep2": dict(parallel_pp=2, parallel_dp=2, parallel_ep=2, train_num_microbatches=2),
+    "dp2-ep2-op": dict(parallel_dp=2, parallel_ep=2, train_micro_batch_size=2, train_recompute="op"),
+    "dp4-ep2-zero3-full": dict(parallel_dp=4, parallel_ep=2, parallel_zero_stage=3, train_recompute="full"),
+    # ep = dp·cp: the experts' FSDP2 unit spans one rank (harness/runner/parallel/data.py)
+    "dp2-ep2-zero3-full": dict(
+        parallel_dp=2, parallel_ep=2, parallel_zero_stage=3, train_micro_batch_size=2, train_recompute="full"
+    ),
 }
 
 
-# The default run keeps two layouts of the top-2 model and one of the Qwen3-like; -m slow runs the rest.
-FAST = {("top2", "dp2-zero3"), ("top2", "pp2-1f1b"), ("qwen3-like", "cp2")}
+# The default run keeps four layouts of the top-2 model, one of each other; -m slow runs the rest.
+FAST = {
+    ("top2", "dp2-zero3"),
+    ("top2", "pp2-1f1b"),
+    ("qwen3-like", "cp2"),
+    ("top2", "dp4-ep2-zero2"),
+    ("shared-sigmoid-top3", "dp2-cp2-ep4-accumulate2"),
+}
 CASES = [
     pytest.param(v, n, id=f"{v}-{n}", marks=() if (v, n) in FAST else pytest.mark.slow)
     for v in VARIANTS
@@ -212,9 +251,26 @@ MEMORY_POINTS = {
 }
 
 
-@pytest.mark.parametrize("name", fast_few(MEMORY_POINTS, {"op-pp2-fp32", "qwen3-like-pp2-dp2-zero3"}))
+# Expert parallelism (moe.received_rows: each rank's experts run the rows the all-to-all brings), when
+# written: 1.004, 0.990, 0.970 (measured/engine). The DDP point reads 3 % over, not traced yet.
+MEMORY_POINTS.update(
+    {
+        "dp4-ep2-zero3-bf16": dict(
+            train_precision="bf16", parallel_dp=4, parallel_ep=2, parallel_zero_stage=3
+        ),
+        "cp2-ep2-op-fp32": dict(
+            low=0.985, train_precision="fp32", parallel_cp=2, parallel_ep=2, train_recompute="op"
+        ),
+        "dp2-ep2-bf16": dict(low=0.965, train_precision="bf16", parallel_dp=2, parallel_ep=2),
+    }
+)
+
+
+@pytest.mark.parametrize(
+    "name", fast_few(MEMORY_POINTS, {"op-pp2-fp32", "qwen3-like-pp2-dp2-zero3", "dp4-ep2-zero3-bf16"})
+)
 def test_moe_every_stage_measures_its_estimate(name):
-    # (one named layout is allowed 2.5 % over: see MEMORY_POINTS)
+    # (named layouts are allowed up to 3.5 % over: see MEMORY_POINTS)
     # Before the MoE terms (the engine counting a dense MLP of ffn_hidden_size): 1.48 on one rank.
     point = dict(MEMORY_POINTS[name])
     model, low = point.pop("model", None), point.pop("low", 0.99)
@@ -246,3 +302,11 @@ def test_the_paper_and_megatron_engines_say_what_they_do_with_experts():
         "Megatron's token dispatchers are not modelled" in n for n in estimate(s, engine="megatron").notes
     )
     assert estimate(s, engine="torch").notes == ()
+
+
+def test_a_fake_run_of_expert_parallelism_is_refused_with_its_reason():
+    from harness.runner.fake.run import fake_problems
+
+    reasons = fake_problems(spec("tiny_moe", parallel_dp=2, parallel_ep=2))
+    assert any("run.mode=fake does not trace expert parallelism yet" in r for r in reasons), reasons
+    assert not fake_problems(spec("tiny_moe", parallel_dp=2))

@@ -92,6 +92,8 @@ def layout_line(spec: RunSpec) -> str:
             parts.append("layers=" + "+".join(map(str, p.pp_layers)))
     if p.cp > 1:
         parts.append(f"cp_balance={'on' if p.cp_load_balance else 'off'}")
+    if p.ep > 1:
+        parts.append(f"ep={p.ep}")
     return " ".join(parts) + f"  (world {p.world})"
 
 

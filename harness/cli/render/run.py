@@ -86,6 +86,12 @@ def _layers(r: dict[str, Any]) -> str:
     return " layers=" + "+".join(map(str, layers)) if layers is not None and len(layers) else ""
 
 
+def _ep(r: dict[str, Any]) -> str:
+    """`` ep=2`` under expert parallelism, else nothing."""
+    ep = r.get("parallel_ep")
+    return f" ep={ep}" if ep is not None and ep == ep and ep > 1 else ""
+
+
 def record_table(record: dict[str, Any], *, threshold: float = 0.8) -> str:
     r = record
     rc = recompute_label(
@@ -94,7 +100,7 @@ def record_table(record: dict[str, Any], *, threshold: float = 0.8) -> str:
     lines = [
         f"{r['model_name']} on {r['device_name']}, config_id {r['config_id']}: status {r['status'].upper()}",
         f"layout  dp={r['parallel_dp']} tp={r['parallel_tp']} pp={r['parallel_pp']} cp={r['parallel_cp']} "
-        f"zero={r['parallel_zero_stage']}{_layers(r)}  seq {r['train_seq_len']} × micro-batch "
+        f"zero={r['parallel_zero_stage']}{_layers(r)}{_ep(r)}  seq {r['train_seq_len']} × micro-batch "
         f"{r['train_micro_batch_size']} × {r['train_num_microbatches']}, recompute {rc}, "
         f"{r['train_precision']}",
     ]

@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from harness.runner.parallel.context import apply_cp
 from harness.runner.parallel.data import apply_ddp, apply_fsdp, apply_replicate, make_optimizer
+from harness.runner.parallel.expert import apply_ep, expert_meshes, sync_expert_grads
 from harness.runner.parallel.materialize import materialize, on_meta
 from harness.runner.parallel.pipeline import build_schedule, split_stage, stage_ids
 from harness.runner.parallel.recompute import apply_recompute
@@ -48,6 +49,10 @@ class Parallelized:
     tied_group: object | None = None
     # train.grad_sync: reduce gradients after every micro-batch, or only after the last
     grad_sync: str = "last"
+    # Expert parallelism under DDP: the experts' gradients, which DDP ignores, are reduced by hand over
+    # the expert data-parallel group (parallel/expert.py); dp·cp, their divisor.
+    expert_sync: DeviceMesh | None = None
+    shards: int = 1
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -59,6 +64,7 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
     p, t = spec.parallel, spec.train
     bf16 = t.precision == "bf16"
     dp_cp = mesh["dp", "cp"]._flatten("dp_cp") if p.dp * p.cp > 1 else None
+    ep_mesh, edp_mesh = expert_meshes(dp_cp, p.ep)
     pp_rank = mesh["pp"].get_local_rank()
     num_stages = p.pp * p.virtual_stages
     ids = stage_ids(pp_rank=pp_rank, pp=p.pp, virtual_stages=p.virtual_stages) if p.pp > 1 else [0]
@@ -81,6 +87,8 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
             apply_tp(mod, mesh["tp"], sequence_parallel=p.sequence_parallel, loss_parallel=use_loss_parallel)
         if p.cp > 1:
             positions = apply_cp(mod, mesh["cp"], seq_len=t.seq_len, load_balance=p.cp_load_balance)
+        if ep_mesh is not None:
+            apply_ep(mod, ep_mesh, dp_cp, seq_len=t.seq_len, cp=p.cp, load_balance=p.cp_load_balance)
         apply_recompute(mod, mode=t.recompute, every=t.recompute_every, method=t.recompute_method)
     fsdp = p.zero_stage >= 2 and dp_cp is not None
     if meta and not fsdp:  # DDP and replicate start from materialized parameters (DDP broadcasts them)
@@ -93,14 +101,23 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
                 reshard_after_forward=p.zero_stage == 3,
                 keep_head=p.zero_stage == 3 and p.fsdp_reshard_after_forward == "default",
                 param_dtype=torch.bfloat16 if bf16 else torch.float32,
+                experts_mesh=edp_mesh if ep_mesh is not None else None,
             )
         if meta:  # FSDP2 shards the meta parameters: each rank allocates only its shards
             materialize(modules, device, spec.model)
     elif dp_cp is not None and p.pp > 1:
         for mod in modules:
-            apply_replicate(mod, dp_cp, param_dtype=torch.bfloat16 if bf16 else torch.float32)
+            apply_replicate(
+                mod,
+                dp_cp,
+                param_dtype=torch.bfloat16 if bf16 else torch.float32,
+                experts_mesh=edp_mesh if ep_mesh is not None else None,
+            )
     elif dp_cp is not None:
-        modules = [apply_ddp(mod, dp_cp, tensor_parallel=p.tp > 1) for mod in modules]
+        modules = [
+            apply_ddp(mod, dp_cp, tensor_parallel=p.tp > 1, ignore_experts=ep_mesh is not None)
+            for mod in modules
+        ]
     tied_weight, tied_group = None, None
     if spec.model.tie_embeddings and p.pp > 1:
         tied_group = tied_embedding_group(mesh)
@@ -136,6 +153,8 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
         tied_weight=tied_weight,
         tied_group=tied_group,
         grad_sync=t.grad_sync,
+        expert_sync=edp_mesh if ep_mesh is not None and not fsdp_like else None,
+        shards=p.dp * p.cp,
     )
 
 
@@ -232,6 +251,8 @@ def train_step(
             out = (out.full_tensor() if hasattr(out, "full_tensor") else out).detach().float()
             total = out if total is None else total + out
         loss = total
+    if par.expert_sync is not None:
+        sync_expert_grads(par.modules, par.expert_sync, shards=par.shards)
     sync_tied_weight(par)
     par.optimizer.step()
     par.optimizer.zero_grad(set_to_none=True)

@@ -30,6 +30,7 @@ def apply_fsdp(
     reshard_after_forward: bool,
     param_dtype: torch.dtype,
     keep_head: bool = False,
+    experts_mesh: DeviceMesh | None = None,
 ) -> None:
     """FSDP2 per transformer block, then the root (embedding, norm, head), in place.
 
@@ -39,6 +40,8 @@ def apply_fsdp(
     the embedding joins that unit, as torchtitan does); the root then holds the embedding alone."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in model.layers.values():
+        if experts_mesh is not None:
+            _shard_experts(block, fully_shard, experts_mesh, mesh.size(), mp, reshard_after_forward)
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     if keep_head and model.output is not None:
         head = [m for m in (model.norm, model.output) if m is not None]
@@ -51,17 +54,39 @@ def apply_fsdp(
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
 
 
-def apply_replicate(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype) -> None:
+def _shard_experts(block, wrap, mesh: DeviceMesh, shards: int, mp, reshard_after_forward=None) -> None:
+    """Expert parallelism: a block's experts as one unit of their own over the expert data-parallel
+    ``mesh`` (the ranks holding the same experts), their gradients divided by dp·cp (``shards``), not
+    by that mesh's size (parallel/expert.py; torchtitan's ``set_gradient_divide_factor``)."""
+    if block.mlp_name != "moe":
+        return
+    kw = {} if reshard_after_forward is None else {"reshard_after_forward": reshard_after_forward}
+    unit = wrap(block.moe.experts, mesh=mesh, mp_policy=mp, **kw)
+    unit.set_gradient_divide_factor(float(shards))
+    # A divisor other than the group's size is NCCL's PREMUL_SUM, which gloo lacks: on the CPU a sum
+    # and an in-place division after it (the same memory). Not on a mesh of one rank, which reduces
+    # nothing: torch 2.13 divides there by the factor and, when sums are forced, by it again
+    # (_fsdp_collectives.foreach_reduce; found by loss equality, ep = dp·cp).
+    unit.set_force_sum_reduction_for_comms(mesh.device_type == "cpu" and mesh.size() > 1)
+
+
+def apply_replicate(
+    model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype, experts_mesh: DeviceMesh | None = None
+) -> None:
     """ZeRO-0 for pipeline stages: per-block and root ``replicate`` (gradients all-reduced), in place."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in model.layers.values():
+        if experts_mesh is not None:
+            _shard_experts(block, replicate, experts_mesh, mesh.size(), mp)
         replicate(block, mesh=mesh, mp_policy=mp)
     replicate(model, mesh=mesh, mp_policy=mp)
 
 
-def apply_ddp(model: nn.Module, mesh: DeviceMesh, *, tensor_parallel: bool) -> nn.Module:
+def apply_ddp(
+    model: nn.Module, mesh: DeviceMesh, *, tensor_parallel: bool, ignore_experts: bool = False
+) -> nn.Module:
     """DDP over ``mesh``'s group; with tensor parallelism, DTensor parameters are first exposed as local
     tensors (``localize_for_ddp``: PyTorch's recipe for DDP + TP, keeping tied embeddings tied).
 
@@ -73,9 +98,12 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, *, tensor_parallel: bool) -> n
         from harness.runner.parallel.tensor import localize_for_ddp
 
         localize_for_ddp(model)
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-        model, [name for name, _ in model.named_buffers()]
-    )
+    ignored = [name for name, _ in model.named_buffers()]
+    if ignore_experts:  # expert parallelism: reduced over their own group (compose.train_step)
+        from harness.runner.parallel.expert import expert_parameters
+
+        ignored += [name for name, _ in expert_parameters(model)]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     return DistributedDataParallel(
         model, process_group=mesh.get_group(), gradient_as_bucket_view=True, broadcast_buffers=False
     )

@@ -22,7 +22,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 # torchtitan's save list for op-level selective checkpointing (torchtitan/distributed/
 # activation_checkpoint.py, ``_save_list``, 2024-2025): the matmuls (every second one is recomputed,
-# below), the fused attention kernels, tensor parallel's reduce-scatter (sequence parallel) and max.
+# below), the fused attention kernels, tensor parallel's reduce-scatter (sequence parallel), expert
+# parallelism's all-to-all and max.
 # Added here: the CPU flash kernel, the counterpart on this machine of the CUDA flash kernel they list
 # (without it the CPU runner would recompute attention where a GPU run keeps it). The math kernel is not
 # one op (its matmuls are bmm, its softmax separate), so under ``op`` its scores are recomputed.
@@ -38,6 +39,9 @@ OP_SAVE_LIST = {
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._scaled_dot_product_fused_attention_overrideable.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    # torchtitan's, for expert parallelism's dispatch and combine; the autograd variant both call
+    # (_c10d_functional_autograd) is what the policy sees, so it matches neither's all-to-all
+    torch.ops._c10d_functional.all_to_all_single.default,
     torch.ops.aten.max.default,
 }
 
