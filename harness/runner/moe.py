@@ -15,6 +15,10 @@ after another over their slice of the routed buffer: the same tensors a grouped 
 each expert's weights a leaf parameter, so autocast casts each once per region as it does a dense
 layer's (a slice of one 3-D parameter would be cast again in every micro-batch).
 
+With expert parallelism (``parallel.ep``, harness/runner/parallel/expert.py) a rank holds 1/ep of the
+experts: the routed rows go to their expert's rank and come back with two autograd all-to-alls, whose
+splits follow from the routing of every rank of the ep group (Python ints: no host sync).
+
 The routing (``train.moe_imbalance``, harness/spec/routing.py): which experts a token goes to is a
 function of its position in the sequence, not of the router's scores, whose gate values still weight
 the experts' outputs (so the router trains). With a random initialisation the learned top-k would
@@ -54,9 +58,8 @@ class _ScatterAdd(torch.autograd.Function):
 
 class Experts(nn.ModuleDict):
     """A rank's experts, keyed by their global index, each run over its slice of the expert-major rows:
-    one module with a forward of its own, so that FSDP2 can make all of a block's experts one unit
-    (torchtitan's ``GroupedExperts``; a unit of several modules, each hooked alone, trained apart from
-    the reference under full recomputation with expert parallelism)."""
+    one module with a forward of its own, so that FSDP2 makes a block's experts one unit with one
+    forward hook, as torchtitan's ``GroupedExperts`` is (harness/runner/parallel/data.py)."""
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         return torch.cat(
