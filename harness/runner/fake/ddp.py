@@ -134,10 +134,15 @@ def _group(order: list[int], params: list[torch.Tensor]) -> list[list[int]]:
     return out
 
 
-def apply_bucketed_replica(model: nn.Module, mesh, *, tensor_parallel: bool) -> nn.Module:
+def apply_bucketed_replica(
+    model: nn.Module, mesh, *, tensor_parallel: bool, ignore_experts: bool = False
+) -> nn.Module:
     """:func:`harness.runner.parallel.data.apply_ddp`'s signature and parameter handling, with the
-    reducer's memory reproduced by :class:`BucketedReplica`."""
+    reducer's memory reproduced by :class:`BucketedReplica`. (Expert parallelism, whose experts DDP
+    ignores, is not traced: ``fake_problems`` refuses it.)"""
     del mesh
+    if ignore_experts:
+        raise ValueError("fake runs do not trace expert parallelism (fake.run.fake_problems refuses it)")
     if tensor_parallel:
         # The real path's own transform (torch's ``_pre_dp_module_transform`` unties a tied head from
         # its embedding: traced, the head's gradient met a local bucket view as a DTensor, issue 30).
