@@ -50,10 +50,11 @@ def initial_buckets(params: list[torch.Tensor]) -> list[list[int]]:
 class BucketedReplica(nn.Module):
     """A stand-in for ``DistributedDataParallel(module, gradient_as_bucket_view=True)`` in a fake run."""
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, ignored: frozenset[str] = frozenset()):
         super().__init__()
         self.module = module
-        self._params = [q for q in module.parameters() if q.requires_grad]
+        # (``ignored``: parameters DDP is told to leave alone, expert parallelism's experts)
+        self._params = [q for n, q in module.named_parameters() if q.requires_grad and n not in ignored]
         self._sync = True
         self._backwards = 0  # synchronising backwards finished
         self._callback_queued = False
@@ -138,15 +139,17 @@ def apply_bucketed_replica(
     model: nn.Module, mesh, *, tensor_parallel: bool, ignore_experts: bool = False
 ) -> nn.Module:
     """:func:`harness.runner.parallel.data.apply_ddp`'s signature and parameter handling, with the
-    reducer's memory reproduced by :class:`BucketedReplica`. (Expert parallelism, whose experts DDP
-    ignores, is not traced: ``fake_problems`` refuses it.)"""
+    reducer's memory reproduced by :class:`BucketedReplica`."""
     del mesh
+    ignored = frozenset()
     if ignore_experts:
-        raise ValueError("fake runs do not trace expert parallelism (fake.run.fake_problems refuses it)")
+        from harness.runner.parallel.expert import expert_parameters
+
+        ignored = frozenset(name for name, _ in expert_parameters(model))
     if tensor_parallel:
         # The real path's own transform (torch's ``_pre_dp_module_transform`` unties a tied head from
         # its embedding: traced, the head's gradient met a local bucket view as a DTensor, issue 30).
         from harness.runner.parallel.tensor import localize_for_ddp
 
         localize_for_ddp(model)
-    return BucketedReplica(model)
+    return BucketedReplica(model, ignored)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 
 from harness.spec.routing import local_position_list
@@ -30,7 +31,9 @@ def expert_meshes(dp_cp: DeviceMesh | None, ep: int) -> tuple[DeviceMesh | None,
     (dp·cp/ep, ep), the ep ranks innermost (consecutive). Without expert parallelism (None, dp_cp)."""
     if ep == 1 or dp_cp is None:
         return None, dp_cp
-    both = dp_cp._unflatten(0, (dp_cp.size() // ep, ep), ("edp", "ep"))
+    # The mesh's rank tensor is a real one: a fake run (FakeTensorMode) would refuse to slice it.
+    with unset_fake_temporarily():
+        both = dp_cp._unflatten(0, (dp_cp.size() // ep, ep), ("edp", "ep"))
     return both["ep"], both["edp"]
 
 
