@@ -109,7 +109,7 @@ def _included_row(base, opts, layout):
 
 # What `plan` takes from the command line as a constraint (issue 31: parallel.tp=8 parallel.pp=4 were
 # silently ignored): the degrees fix an axis; the others narrow plan's own list to the given value.
-PLAN_AXES = ("parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp")
+PLAN_AXES = ("parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep")
 PLAN_NARROWS = {
     "parallel.zero_stage": "zero_stages",
     "parallel.pp_schedule": "pp_schedules",

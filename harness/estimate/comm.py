@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from harness.estimate.dtypes import elem_bytes
 from harness.estimate.flops import hardware_flops_per_step, model_flops_per_step
-from harness.estimate.params import stage_params
+from harness.estimate.params import expert_params, stage_params
 from harness.spec import RunSpec, busiest_stage_view
 
 
@@ -31,10 +31,11 @@ class Cost:
     bubble: float
     compute_factor: float  # hardware over model FLOPs (recomputation) × (1 + bubble)
     step_time_s: float  # NaN when the device has no peak or link bandwidths
+    ep_bytes: float = 0.0  # expert parallelism's all-to-alls (a mixture of experts)
 
     @property
     def comm_bytes(self) -> float:
-        return self.tp_bytes + self.cp_bytes + self.dp_bytes + self.pp_bytes
+        return self.tp_bytes + self.cp_bytes + self.dp_bytes + self.pp_bytes + self.ep_bytes
 
 
 def bubble_fraction(spec: RunSpec) -> float:
@@ -64,13 +65,22 @@ def cost(spec: RunSpec) -> Cost:
     # Data parallel over d·c ranks: gradient all-reduce (ZeRO 0/1), or FSDP's all-gathers and
     # reduce-scatter (ZeRO-2: one all-gather; ZeRO-3: forward and backward all-gathers).
     shards = p.dp * p.cp
-    n = stage_params(m, stage=0, pp=p.pp, tp=p.tp)
-    frac = (shards - 1) / shards
-    if p.zero_stage <= 1:
-        dp_bytes = 2 * frac * n * 4
-    else:
-        gathers = 1 if p.zero_stage == 2 else 2
-        dp_bytes = frac * n * (gathers * e + 4)
+    # With expert parallelism a rank's experts (1/ep of them) are reduced over the dp·cp/ep ranks that
+    # hold the same ones, the rest over dp·cp.
+    experts = expert_params(m, stage=0, pp=p.pp, ep=p.ep)
+    groups = [(stage_params(m, stage=0, pp=p.pp, tp=p.tp, ep=p.ep) - experts, shards)]
+    if experts:
+        groups.append((experts, shards // p.ep))
+    gathers = 0 if p.zero_stage <= 1 else (1 if p.zero_stage == 2 else 2)
+    dp_bytes = sum(
+        (n_ - 1) / n_ * n * (2 * 4 if p.zero_stage <= 1 else gathers * e + 4) for n, n_ in groups if n_ > 1
+    )
+    # Expert parallelism: each MoE layer's routed rows (T·k of h) leave for their experts' ranks and come
+    # back, forward and backward; (ep − 1)/ep of them cross the link with a balanced routing.
+    ep_bytes = 0.0
+    if m.num_experts and p.ep > 1:
+        rows = t.seq_len // p.cp * t.micro_batch_size * m.experts_per_token
+        ep_bytes = layers * 4 * rows * m.hidden_size * e * (p.ep - 1) / p.ep * mb * passes
     # Pipeline: one activation forward and one gradient backward per micro-batch and boundary.
     sp = p.sequence_parallel and p.tp > 1
     pp_bytes = 0.0 if p.pp == 1 else 2 * mb * p.virtual_stages * sbh * e / (p.tp if sp else 1)
@@ -92,5 +102,6 @@ def cost(spec: RunSpec) -> Cost:
             + cp_bytes / link(p.tp * p.cp)
             + pp_bytes / link(p.tp * p.cp * p.pp)
             + dp_bytes / link(p.world)
+            + ep_bytes / link(p.tp * p.ep)  # (an ep group: consecutive dp·cp ranks, tp innermost)
         )
-    return Cost(tp_bytes, cp_bytes, dp_bytes, pp_bytes, bubble, compute_factor, step)
+    return Cost(tp_bytes, cp_bytes, dp_bytes, pp_bytes, bubble, compute_factor, step, ep_bytes)

@@ -169,11 +169,11 @@ def candidate_groups(base: RunSpec, opts: PlanOptions) -> Iterator[list[RunSpec]
                 # ZeRO shards over dp·cp: over one rank every stage is the same run (the runner applies
                 # no data parallelism), listed once (issue 31: four rows of one layout); ZeRO-3 that
                 # the stack's reshard policy keeps gathered is ZeRO-2, listed once too.
-                zeros: list[tuple[int, str]] = []
+                all_zeros: list[tuple[int, str]] = []
                 for zero in opts.zero_stages if dp * cp > 1 else opts.zero_stages[:1]:
                     z, reshard = canonical_zero(zero, policy, pp=pp, shards=dp * cp)
-                    if all(z != seen for seen, _ in zeros):
-                        zeros.append((z, reshard))
+                    if all(z != seen for seen, _ in all_zeros):
+                        all_zeros.append((z, reshard))
                 for mbs in opts.micro_batch_sizes:
                     if gbs % (dp * mbs):
                         continue
@@ -187,13 +187,43 @@ def candidate_groups(base: RunSpec, opts: PlanOptions) -> Iterator[list[RunSpec]
                     ]
                     for schedule, v in schedules:
                         layers = stage_split(base, pp, v)
-                        group = []
-                        for zero, reshard in zeros:
-                            par = candidate_parallel(
-                                dp, tp, pp, cp, zero, reshard, schedule, v, opts.gpus, layers=layers
-                            )
-                            group += [RunSpec(base.model, par, train, base.device) for train in trains]
-                        yield group
+                        for ep in expert_degrees(base.model, dp * cp):
+                            if not free("ep", ep):
+                                continue
+                            group = []
+                            for zero, reshard in all_zeros:
+                                if ep > 1 and zero == 1:
+                                    continue  # (ZeroRedundancyOptimizer has one group: not with ep)
+                                par = candidate_parallel(
+                                    dp,
+                                    tp,
+                                    pp,
+                                    cp,
+                                    zero,
+                                    reshard,
+                                    schedule,
+                                    v,
+                                    opts.gpus,
+                                    layers=layers,
+                                    ep=ep,
+                                )
+                                group += [
+                                    RunSpec(base.model, par, train, base.device)
+                                    for train in trains
+                                    # (one-rank expert units under op: refused by validation, never listed)
+                                    if not (ep == dp * cp and zero >= 2 and train.recompute == "op")
+                                ]
+                            if group:
+                                yield group
+
+
+def expert_degrees(m, shards: int) -> list[int]:
+    """The expert-parallel degrees ``plan`` tries for ``shards`` = dp·cp ranks: 1, and for a mixture of
+    experts every degree that divides both the experts and dp·cp (torchtitan's and Megatron's ep is
+    carved from those ranks)."""
+    if not m.num_experts:
+        return [1]
+    return [e for e in _divisors(shards) if m.num_experts % e == 0]
 
 
 def stage_split(base: RunSpec, pp: int, v: int) -> tuple[int, ...]:
@@ -223,6 +253,7 @@ def candidate_parallel(
     world: int,
     *,
     layers: tuple[int, ...] = (),
+    ep: int = 1,
 ) -> ParallelSpec:
     """A candidate's parallel section in canonical form: sequence parallelism with tp, load-balanced
     context parallelism with cp, the world size set, ``layers`` its uneven stages (or ()). Built field by
@@ -241,6 +272,7 @@ def candidate_parallel(
         world_size=world,
         fsdp_reshard_after_forward=reshard,
         pp_layers=layers,
+        ep=ep,
     )
 
 
@@ -296,6 +328,7 @@ INCLUDE_KEYS = {
     "virtual_stages": 1,
     "micro_batch_size": 1,
     "recompute": None,  # the base's (the stack's)
+    "ep": 1,
 }
 
 
@@ -335,7 +368,17 @@ def include_spec(base: RunSpec, opts: PlanOptions, layout: dict[str, Any]) -> Ru
     )
     vs = int(v["virtual_stages"])
     par = candidate_parallel(
-        dp, tp, pp, cp, zero, reshard, v["pp_schedule"], vs, opts.gpus, layers=stage_split(base, pp, vs)
+        dp,
+        tp,
+        pp,
+        cp,
+        zero,
+        reshard,
+        v["pp_schedule"],
+        vs,
+        opts.gpus,
+        layers=stage_split(base, pp, vs),
+        ep=int(v["ep"]),
     )
     return RunSpec(base.model, par, train, base.device)
 

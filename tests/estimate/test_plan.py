@@ -30,6 +30,25 @@ def test_groups_share_validity():
         assert len(verdicts) == 1
 
 
+def test_groups_share_validity_for_a_mixture_of_experts_over_every_expert_degree():
+    # Expert parallelism adds ep to the layouts: every degree dividing the experts and dp·cp, never
+    # with ZeRO-1 and never a one-rank expert unit under op (both refused by validation); a group's
+    # members still agree on validity, and a dense model keeps ep 1.
+    opts = PlanOptions(gpus=8, micro_batch_sizes=(1,), recompute=("none", "op"))
+    seen = set()
+    for group in candidate_groups(spec("tiny_moe"), opts):
+        verdicts = {not layout_problems(s) for s in group}
+        assert len(verdicts) == 1
+        for s in group:
+            p = s.parallel
+            seen.add((p.dp * p.cp, p.ep))
+            assert p.ep == 1 or (p.zero_stage != 1 and (p.dp * p.cp) % p.ep == 0)
+    assert {(8, 1), (8, 2), (8, 4), (8, 8), (4, 4), (2, 2), (1, 1)} <= seen
+    assert {s.parallel.ep for s in candidates(spec("tiny"), opts)} == {1}
+    fixed = PlanOptions(gpus=8, micro_batch_sizes=(1,), fixed=(("ep", 4),))
+    assert {s.parallel.ep for s in candidates(spec("tiny_moe"), fixed)} == {4}
+
+
 def test_accounting_adds_up_and_fitting_rows_come_first_ranked():
     base = spec("llama3_8b", "h100_80gb", train_seq_len=4096)
     result = plan(base, PlanOptions(gpus=16))
@@ -217,3 +236,20 @@ def test_the_proxy_step_time_is_a_lower_bound_and_its_mfu_an_upper_one():
     assert header.split()[-2:] == ["s≥", "MFU≤"]
     first = next(ln for ln in r.stdout.splitlines() if ln.strip().startswith("1 "))
     assert first.endswith("%") and 0 < int(first.split()[-1].rstrip("%")) <= 100
+
+
+def test_expert_parallelism_costs_its_all_to_alls_and_reduces_experts_over_their_own_ranks():
+    from harness.estimate.comm import cost
+
+    dense_8b = cost(spec("llama3_8b", "h100_80gb", parallel_dp=8, parallel_zero_stage=3))
+    n = 8_030_261_248  # Llama-3-8B: FSDP2 moves 7/8 of it gathered twice in BF16, reduced in FP32
+    assert dense_8b.dp_bytes == pytest.approx(7 / 8 * n * (2 * 2 + 4)) and dense_8b.ep_bytes == 0
+
+    def mixtral(ep):
+        return cost(spec("mixtral_8x7b", "h100_80gb", parallel_dp=8, parallel_ep=ep, parallel_zero_stage=3))
+
+    # Each MoE layer's T·k routed rows (T = 256 tokens, k = 2) go out and back, forward and backward:
+    # 32 layers · 4 · 512 rows · h 4096 · 2 B · 7/8.
+    assert mixtral(8).ep_bytes == pytest.approx(32 * 4 * 512 * 4096 * 2 * 7 / 8)
+    # ep 8 over dp 8: each rank alone holds its expert, whose gradient crosses no link.
+    assert mixtral(8).dp_bytes < mixtral(2).dp_bytes < mixtral(1).dp_bytes

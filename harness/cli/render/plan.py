@@ -44,6 +44,7 @@ def _row_fields(row: PlanRow) -> dict[str, Any]:
         "parallel_pp": p.pp,
         "parallel_pp_layers": list(p.pp_layers),
         "parallel_cp": p.cp,
+        "parallel_ep": p.ep,
         "parallel_zero_stage": p.zero_stage,
         "parallel_sequence_parallel": p.sequence_parallel,
         "parallel_pp_schedule": p.pp_schedule,
@@ -110,7 +111,8 @@ def include_lines(row: PlanRow, rank: int | None, result: PlanResult, opts: Plan
     sched = "-" if p.pp == 1 else p.pp_schedule.replace("interleaved_1f1b", f"int1f1b/{p.virtual_stages}")
     rc = recompute_label(t.recompute, t.recompute_every, t.recompute_method)
     what = (
-        f"dp={p.dp} tp={p.tp} pp={p.pp}{_layers(p)} cp={p.cp} zero={p.zero_stage} sched={sched} "
+        f"dp={p.dp} tp={p.tp} pp={p.pp}{_layers(p)} cp={p.cp}{f' ep={p.ep}' if p.ep > 1 else ''} "
+        f"zero={p.zero_stage} sched={sched} "
         f"mbs={t.micro_batch_size} m={t.num_microbatches} recompute={rc}"
     )
     level = f"{human(row.predicted_bytes)} = {row.utilisation:.1%} of the device"
@@ -230,9 +232,9 @@ def plan_table(
             "ranked by the proxy instead"
         )
     lines.append("")
-    header = (
-        f"{'#':>3} {'dp':>5} {'tp':>3} {'pp':>3} {'cp':>4} {'zero':>4} {'sched':>10} {'mbs':>4} {'m':>5} "
-    )
+    moe = bool(first.model.num_experts)  # an ep column for a mixture of experts only
+    header = f"{'#':>3} {'dp':>5} {'tp':>3} {'pp':>3} {'cp':>4} " + (f"{'ep':>4} " if moe else "")
+    header += f"{'zero':>4} {'sched':>10} {'mbs':>4} {'m':>5} "
     header += f"{'recomp':>13} {'memory':>10} {'util':>6} {'bubble':>7} {'comm':>10}"
     header += (f" {'step s':>8}" if fitted else f" {'step s≥':>8} {'MFU≤':>6}") if has_time else ""
     header += f" {'TFLOP/s':>8}" if fitted else ""
@@ -244,7 +246,9 @@ def plan_table(
             "-" if p.pp == 1 else (p.pp_schedule.replace("interleaved_1f1b", f"int1f1b/{p.virtual_stages}"))
         )
         line = (
-            f"{i:>3} {p.dp:>5} {p.tp:>3} {pp_cell(p):>3} {p.cp:>4} {p.zero_stage:>4} {sched:>10} "
+            f"{i:>3} {p.dp:>5} {p.tp:>3} {pp_cell(p):>3} {p.cp:>4} "
+            + (f"{p.ep:>4} " if moe else "")
+            + f"{p.zero_stage:>4} {sched:>10} "
             f"{t.micro_batch_size:>4} {t.num_microbatches:>5} "
             f"{recompute_label(t.recompute, t.recompute_every, t.recompute_method):>13} "
             f"{human(row.predicted_bytes):>10} {row.utilisation:>6.1%} {c.bubble:>7.1%} "
