@@ -240,3 +240,51 @@ def pipeline_last_backward(
     more = max(0, base + grads - (inflight - 1) * per_chunk - buffers)
     terms["grad_reduce"] += more
     return buffers + more
+
+
+def fsdp_pipeline_first_backward(
+    spec: RunSpec,
+    terms: dict[str, int],
+    base: int,
+    buffers: int,
+    activations: int,
+    *,
+    fused_norm: bool,
+    autocast: bool,
+) -> int:
+    """Stage 0 of a pipeline under FSDP2 (ZeRO-2/3, d·c > 1), whose usual peak is the end of 1F1B's
+    warm-up: a later candidate at the end of its first backward, where FSDP2, which reduces only after
+    the last micro-batch, starts accumulating every gradient unsharded in FP32 — under tensor
+    parallelism the embedding's whole v·h (DTensor has no vocabulary-sharded embedding backward,
+    :func:`replicated_embedding_grad`) — and the embedding's gradient made in the compute dtype is still
+    alive as it is upcast (``FSDPParam.to_accumulated_grad_if_needed``); the blocks are resharded, the
+    root (the embedding) gathered, the other in-flight micro-batches' activations kept.
+    Traced on a real CPU run (``tiny``, tp 2 × pp 2 × cp 2, ZeRO-3, BF16, 2 micro-batches): stage 0's
+    peak is there, a 1 MiB BF16 and a 2 MiB FP32 whole embedding gradient among the FP32 unsharded
+    block gradients and the second micro-batch's activations (7.2 % under the warm-up candidate).
+    Taken, like :func:`pipeline_last_backward`, against ``base``: what it holds above the buffers as they
+    are goes into ``grad_reduce``. Returns the forward/backward buffers' new sum."""
+    m, p, t = spec.model, spec.parallel, spec.train
+    inflight = act.inflight_chunks(p, t, stage=0)
+    if t.num_microbatches < 2 or inflight < 2 or p.pp_schedule == "gpipe" or p.virtual_stages > 1:
+        return buffers
+    e = elem_bytes(t.precision)
+    whole = 4 * m.vocab_size * m.hidden_size
+    grads = (
+        4 * stage_params(m, stage=0, pp=p.pp, tp=p.tp, ep=p.ep)
+        + whole
+        - 4 * (m.vocab_size * m.hidden_size // p.tp)
+    )
+    made = e * m.vocab_size * m.hidden_size if e < 4 else 0  # upcast beside its FP32 copy
+    held = act.stage_layer_activations(
+        m, p, t, stage=0, engine="torch", fused_norm=fused_norm, autocast=autocast
+    )
+    per_chunk = held // inflight
+    working = max(0, act.backward_working_set(m, p, t) - terms["logits"] - terms["loss"])
+    # ZeRO-3: the blocks are resharded, the embedding gathered again for its backward; ZeRO-2 keeps
+    # every unsharded parameter from forward on (``param_copies``, in the buffers already).
+    root = e * m.vocab_size * m.hidden_size // p.tp if p.zero_stage == 3 else 0
+    candidate = base - terms["fsdp_allgather"] + root + activations - working - per_chunk + grads + made
+    more = max(0, candidate - (buffers + activations))
+    terms["grad_reduce"] += more
+    return buffers + more

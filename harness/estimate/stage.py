@@ -13,6 +13,7 @@ from harness.estimate.dtypes import torch_autocast
 from harness.estimate.params import expert_params, param_numels, stage_params, zero1_partitions
 from harness.estimate.peaks import (
     fsdp_last_stage_peaks,
+    fsdp_pipeline_first_backward,
     pipeline_last_backward,
     replicated_embedding_grad,
     sequence_parallel_forward_end,
@@ -281,6 +282,17 @@ def stage_estimate(spec: RunSpec, stage: int, engine: str) -> StageEstimate:
     ):
         states, buffers, step = replicated_embedding_grad(
             spec, grads, terms, states, buffers, activations, step, fused_norm=fused_norm, autocast=layout[-1]
+        )
+    if (
+        engine == "torch"
+        and stage == 0
+        and p.pp > 1
+        and p.zero_stage >= 2
+        and p.dp * p.cp > 1
+        and grads == "none"
+    ):
+        buffers = fsdp_pipeline_first_backward(
+            spec, terms, base, buffers, activations, fused_norm=fused_norm, autocast=layout[-1]
         )
     if engine == "torch" and p.pp > 1 and grads == "none":
         # A candidate of its own, against the same terms as the replicated embedding's: the larger wins.

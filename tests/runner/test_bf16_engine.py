@@ -114,3 +114,24 @@ def test_bf16_every_stage_measures_within_1_2_percent_above_its_estimate(name):
     assert real["status"] == "ok", real["error"]
     for stage, measured, estimated in stage_peaks(s, real):
         assert 0.99 * estimated <= measured <= 1.012 * estimated, (name, stage, measured, estimated)
+
+
+def test_fsdp_pipeline_stage_0_peaks_at_its_first_backward():
+    # tp 2 × pp 2 × cp 2, ZeRO-3: stage 0's peak is the end of its first backward, the embedding's
+    # whole gradient in BF16 and its FP32 accumulated copy beside the unsharded FP32 block gradients
+    # and the second micro-batch's activations (peaks.fsdp_pipeline_first_backward). Measured/engine:
+    # 1.072 before, 1.023 with it; the rest (two 256 KiB blocks) is not named yet.
+    s = spec(
+        "tiny",
+        train_precision="bf16",
+        train_seq_len=512,
+        parallel_tp=2,
+        parallel_pp=2,
+        parallel_cp=2,
+        parallel_zero_stage=3,
+        train_num_microbatches=2,
+    )
+    real = run_point(s, timeout_s=240)
+    assert real["status"] == "ok", real["error"]
+    (_, measured, estimated), *_ = stage_peaks(s, real)
+    assert estimated <= measured <= 1.03 * estimated, (measured, estimated)
