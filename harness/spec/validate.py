@@ -182,6 +182,7 @@ def _too_large(spec: RunSpec) -> list[str]:
                 "num_heads",
                 "num_kv_heads",
                 "moe_ffn_hidden_size",
+                "head_dim",
             ),
         ),
         ("train", t, ("seq_len", "micro_batch_size", "num_microbatches", "steps")),

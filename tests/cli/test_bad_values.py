@@ -31,6 +31,7 @@ def one_line_error(capsys, args: list[str]) -> str:
         (["estimate", "device.memory_gib=1e-30"], "device.memory_gib=1e-30 is under 1 MiB"),
         (["estimate", "parallel.pp=1000000", "model.num_layers=1000000"], "pipeline chunks is over 4,096"),
         (["estimate", "parallel.dp=100000000000"], "parallel.dp=100000000000 is over 1,048,576 ranks"),
+        (["estimate", "model.head_dim=99999999999"], "model.head_dim=99,999,999,999 is over 2,147,483,647"),
         (["plan", "plan.gpus=1.5"], "plan.gpus=1.5 must be a whole number"),
         (["plan", "plan.gpus=1000000000000"], "plan.gpus=1000000000000 must be from 1 to 1,048,576"),
         (
