@@ -118,18 +118,21 @@ def moe_op_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
     the outputs of every second matmul, counted through the block — after attention's four (wq and wv
     kept) the router's (the 5th, kept: FP32 (T, E)), then each expert's w1, w3 and w2 in turn (the
     6th, 7th, 8th, ...: expert j keeps w3's output when j is even, w1's and w2's when it is odd), then
-    the shared experts'. Each expert's rows from the routing (:func:`received_rows`). torchtitan's
+    the shared experts'. Each expert's rows from the routing (:func:`received_rows`; with expert
+    parallelism also the all-to-all's two outputs). torchtitan's
     grouped GEMM is three matmuls for all experts at once, where its policy would keep the first and
     the third; the runner runs one expert at a time (harness/runner/moe.py), and this counts what it
     keeps."""
     h, f, e = m.hidden_size, m.moe_ffn_hidden_size, elem_bytes(t.precision)
-    tokens, _ = routed_rows(m, p, t)
+    tokens, routed = routed_rows(m, p, t)
     rows = received_rows(m, p, t)
     kept = 4 * tokens * m.num_experts  # the router's output, the 5th matmul
-    # torchtitan's list names the all-to-all (``_c10d_functional.all_to_all_single``), but the layer
-    # calls its autograd variant (``_c10d_functional_autograd.all_to_all_single``, as torchtitan's
-    # dispatcher does), which is what the policy sees: its outputs are recomputed, not kept (counting
-    # them read a cp 2 × ep 2 run 5 % above what it measured).
+    if p.ep > 1:
+        # torchtitan's list keeps the all-to-all's outputs (``_c10d_functional.all_to_all_single``,
+        # which the policy sees beneath the autograd variant the layer calls): the rows received and
+        # the rows sent back. Traced (real CPU runs of ``tiny_moe``, ep 2, op): two such tensors per
+        # layer at the peak, with DDP and with FSDP2; dp 4 × ep 2 ZeRO-3 read 6.1 % under without them.
+        kept += e * sum(rows) * h + e * routed * h
     index = 6
     widths = [(n, (f, f, h)) for n in rows]
     if m.num_shared_experts:

