@@ -34,7 +34,7 @@ from functools import lru_cache
 from harness.estimate.buffers import kept_head
 from harness.estimate.dtypes import elem_bytes, torch_autocast
 from harness.estimate.moe import routed_rows
-from harness.estimate.params import layer_params, mlp_matrices, non_layer_params
+from harness.estimate.params import expert_params, layer_params, mlp_matrices, non_layer_params
 from harness.estimate.states import torch_grads_at_peak
 from harness.spec import ModelSpec, ParallelSpec, RunSpec, TrainSpec
 
@@ -113,20 +113,27 @@ def grads_freed_before_step(p: ParallelSpec, t: TrainSpec, stage: int) -> bool:
 
 
 @lru_cache(maxsize=4096)
-def _reduce_units(m: ModelSpec, tp: int, pp: int, stage: int, shards: int, zero: int, head: int) -> Counts:
+def _reduce_units(
+    m: ModelSpec, tp: int, pp: int, stage: int, shards: int, zero: int, head: int, ep: int = 1
+) -> Counts:
     """The FP32 gradient blocks (bytes, how many) a rank of ``stage`` keeps on the gradient-reduction
     stream until the optimizer step is done, one per unit (every layer, and the root: embedding, final
     norm and head; torchtitan's kept head, ``head`` parameters, a unit of its own): ``replicate``
     all-reduces each unit's gradients in an FP32 buffer allocated there, FSDP2 (ZeRO-2/3)
     reduce-scatters them into FP32 shards allocated there, and the gradients the optimizer reads are
     views of those blocks. None for DDP (its buckets are allocated once, at wrapping) or without
-    data-parallel ranks."""
+    data-parallel ranks. With expert parallelism a block's experts are a unit of their own, sharded
+    over the dp·cp/ep ranks that hold them (harness/runner/parallel/data.py)."""
     replicate = _replicated(pp, shards, zero)
     if shards == 1 or not (replicate or zero >= 2):
         return ()
     per = 1 if replicate else shards
     root = non_layer_params(m, stage=stage, pp=pp, tp=tp) - head
-    units: Counter[int] = Counter({4 * -(-layer_params(m, tp=tp) // per): m.num_layers // pp})
+    layers = m.num_layers // pp
+    experts = expert_params(m, stage=stage, pp=pp, ep=ep) // layers if ep > 1 else 0
+    units: Counter[int] = Counter({4 * -(-(layer_params(m, tp=tp, ep=ep) - experts) // per): layers})
+    if experts:
+        units[4 * -(-experts // (1 if replicate else shards // ep))] += layers
     for n in (root, head):
         if n:
             units[4 * -(-n // per)] += 1
@@ -141,7 +148,7 @@ def reduce_stream_segments(spec: RunSpec, stage: int) -> int:
     Llama-3-8B dp 8 ZeRO-3 (torchtitan's defaults), 32 segments of 106 MiB and two of 252 MiB."""
     m, p = spec.model, spec.parallel
     head = kept_head(m, p) if stage == p.pp - 1 else 0
-    units = _reduce_units(m, p.tp, p.pp, stage, p.dp * p.cp, p.zero_stage, head)
+    units = _reduce_units(m, p.tp, p.pp, stage, p.dp * p.cp, p.zero_stage, head, p.ep)
     return sum(
         c * (_segment(n) if n >= KMIN_LARGE_ALLOC else KLARGE_BUFFER) for n, c in units if n > KSMALL_SIZE
     )
@@ -163,7 +170,7 @@ def cached_blocks(spec: RunSpec, stage: int, terms: dict[str, int]) -> Counts:
     m, p, t = spec.model, spec.parallel, spec.train
     layer = _layer_blocks(m, p.tp, p.cp, p.sequence_parallel, torch_autocast(p, t), t)
     copies = round(terms.get("activations", 0) / max(1, layer[2]))
-    whole = _parameter_tensors(m, p.tp, p.pp, stage, 1, 0)
+    whole = _parameter_tensors(m, p.tp, p.pp, stage, 1, 0, p.ep)
     sets = 0  # compute-dtype copies: one per parameter tensor, as many sets as the term holds
     if terms.get("param_copies", 0):
         sets = max(1, round(terms["param_copies"] / max(1, 2 * sum(n * c for n, c in whole))))
@@ -221,20 +228,30 @@ def _layer_blocks(
 
 
 @lru_cache(maxsize=4096)
-def _parameter_tensors(m: ModelSpec, tp: int, pp: int, stage: int, shards: int, zero: int) -> Counts:
+def _parameter_tensors(
+    m: ModelSpec, tp: int, pp: int, stage: int, shards: int, zero: int, ep: int = 1
+) -> Counts:
     """The parameter tensors (numel, how many) one rank of ``stage`` steps: the embedding, per layer
     Q, K, V, O, gate, up and down, the head; sharded by dim 0 over the ZeRO-2/3 ``shards``; under
     ZeRO-1 whole tensors, one shard's share of them (``ZeroRedundancyOptimizer`` partitions whole
-    parameters). Norm weights (small-pool requests) are left out."""
+    parameters). Norm weights (small-pool requests) are left out. With expert parallelism the rank's
+    E/ep experts, sharded over the dp·cp/ep ranks that hold them."""
     h = m.hidden_size
     layers = m.num_layers // pp
     out: Counter[int] = Counter({h * m.q_width // tp: 2 * layers})
     out[h * m.kv_width // tp] += 2 * layers
-    for n in mlp_matrices(m):  # three SwiGLU matrices, or a mixture of experts' router and experts
+    matrices = mlp_matrices(m, ep=ep)  # three SwiGLU matrices, or a router, experts, shared experts
+    experts = 3 * (m.num_experts // ep) if ep > 1 else 0
+    for n in matrices[:1] + matrices[1 + experts :] if experts else matrices:
         out[n // tp] += layers
     out[m.vocab_size * h // tp] += (stage == 0) + (stage == pp - 1 and not (m.tie_embeddings and pp == 1))
     if shards > 1 and zero >= 2:
-        return _counts({-(-n // shards): c for n, c in out.items()})
+        sharded = Counter({-(-n // shards): c for n, c in out.items()})
+        if experts:
+            sharded[-(-h * m.moe_ffn_hidden_size // (shards // ep))] += experts * layers
+        return _counts(sharded)
+    if experts:
+        out[h * m.moe_ffn_hidden_size] += experts * layers
     if shards > 1 and zero == 1:
         return _counts({n: -(-c // shards) for n, c in out.items()})
     return _counts(out)
@@ -244,7 +261,7 @@ def step_temporaries(spec: RunSpec, stage: int) -> Counts:
     """The optimizer step's FP32 temporaries on one rank of ``stage``: one per parameter tensor it
     steps (:func:`_parameter_tensors`), all alive together (``foreach`` returns them as one list)."""
     p = spec.parallel
-    return _fp32(_parameter_tensors(spec.model, p.tp, p.pp, stage, p.dp * p.cp, p.zero_stage))
+    return _fp32(_parameter_tensors(spec.model, p.tp, p.pp, stage, p.dp * p.cp, p.zero_stage, p.ep))
 
 
 @lru_cache(maxsize=4096)

@@ -177,3 +177,23 @@ def test_the_upper_bound_holds_on_every_stage_of_many_layouts():
             assert reserved_upper_bound(s, st.terms, stage=st.stage) >= exact, (tp, pp, dp, zero, st.stage)
             checked += 1
     assert checked > 150
+
+
+def test_expert_parallel_tensors_and_units_are_sharded_over_the_ranks_that_hold_them():
+    # Mixtral-8x7B, dp 8, ZeRO-3, ep 2: each rank holds 4 experts (3 matrices of 4096 × 14,336 each,
+    # per layer), sharded over the 4 ranks that hold the same ones; the block's other matrices over 8.
+    from harness.estimate.segments import _reduce_units, step_temporaries
+
+    s = spec("mixtral_8x7b", "h100_80gb", parallel_dp=8, parallel_ep=2, parallel_zero_stage=3)
+    expert = 4096 * 14336
+    temporaries = dict(step_temporaries(s, 0))
+    assert temporaries[4 * expert // 4] == 3 * 4 * 32  # FP32, one per expert matrix the rank steps
+    assert (
+        dict(step_temporaries(spec("mixtral_8x7b", "h100_80gb", parallel_dp=8, parallel_zero_stage=3), 0))[
+            4 * expert // 8
+        ]
+        == 3 * 8 * 32
+    )
+    # The experts' reduce-scatter output: a unit of its own per block, 4 experts over 4 ranks.
+    units = dict(_reduce_units(s.model, 1, 1, 0, 8, 3, 0, 2))
+    assert units[4 * 3 * 4 * expert // 4] == 32
