@@ -16,6 +16,28 @@ from harness.estimate.params import layer_params, stage_params
 from harness.spec import ParallelSpec, RunSpec, TrainSpec
 
 
+def replicated_embedding_extra(m, tp: int) -> int:
+    """What the embedding's gradient holds beyond its 1/t share under tensor parallelism: DTensor has
+    no vocabulary-sharded rule for ``embedding_dense_backward``, so it is the whole v·h in FP32,
+    4·v·h·(1 − 1/t) bytes more than ``stage_params`` counts (0 without tp)."""
+    return 4 * m.vocab_size * m.hidden_size - 4 * (m.vocab_size * m.hidden_size // tp)
+
+
+def _stage0_embedding_backward(
+    spec: RunSpec, terms: dict[str, int], *, fused_norm: bool, autocast: bool
+) -> tuple[int, int, int]:
+    """(in-flight chunks, one chunk's activations, the blocks' backward working set less the loss's
+    buffers) of stage 0 as its embedding's backward, a backward's last op, runs: the working set is
+    gone by then, so candidates there take it off the forward/backward terms."""
+    m, p, t = spec.model, spec.parallel, spec.train
+    inflight = act.inflight_chunks(p, t, stage=0)
+    held = act.stage_layer_activations(
+        m, p, t, stage=0, engine="torch", fused_norm=fused_norm, autocast=autocast
+    )
+    working = max(0, act.backward_working_set(m, p, t) - terms["logits"] - terms["loss"])
+    return inflight, held // inflight, working
+
+
 def replicated_embedding_grad(
     spec: RunSpec,
     grads: str,
@@ -54,7 +76,7 @@ def replicated_embedding_grad(
     shard and nothing of this was traced. Mutates ``terms``; returns (states, buffers, step)."""
     m, p, t = spec.model, spec.parallel, spec.train
     full = 4 * m.vocab_size * m.hidden_size
-    extra = full - 4 * (m.vocab_size * m.hidden_size // p.tp)
+    extra = replicated_embedding_extra(m, p.tp)
     if grads == "none":
         terms["step_grads"] += extra
         step += extra
@@ -63,16 +85,12 @@ def replicated_embedding_grad(
         states += extra
     if t.num_microbatches < 2 or p.pp_schedule == "gpipe" or p.virtual_stages > 1:
         return states, buffers, step
-    inflight = act.inflight_chunks(p, t, stage=0)
-    held = act.stage_layer_activations(
-        m, p, t, stage=0, engine="torch", fused_norm=fused_norm, autocast=autocast
+    # (recomputation's working set is small against a chunk; left in the chunk)
+    inflight, per_chunk, working = _stage0_embedding_backward(
+        spec, terms, fused_norm=fused_norm, autocast=autocast
     )
-    per_chunk = held // inflight  # (recomputation's working set is small against a chunk; left in)
     freed = inflight - max(0, min(inflight - 1, t.num_microbatches - 2))
     grads_made = 0 if grads != "none" else terms["step_grads"]
-    # The blocks' backward working set (in ``activations``, act.backward_working_set) is gone by the
-    # embedding's backward, the stage's last.
-    working = max(0, act.backward_working_set(m, p, t) - terms["logits"] - terms["loss"])
     candidate = buffers + activations - working - freed * per_chunk + grads_made + full
     more = max(0, candidate - (buffers + activations))
     terms["grad_reduce"] += more
@@ -265,22 +283,16 @@ def fsdp_pipeline_first_backward(
     Taken, like :func:`pipeline_last_backward`, against ``base``: what it holds above the buffers as they
     are goes into ``grad_reduce``. Returns the forward/backward buffers' new sum."""
     m, p, t = spec.model, spec.parallel, spec.train
-    inflight = act.inflight_chunks(p, t, stage=0)
-    if t.num_microbatches < 2 or inflight < 2 or p.pp_schedule == "gpipe" or p.virtual_stages > 1:
+    if t.num_microbatches < 2 or p.pp_schedule == "gpipe" or p.virtual_stages > 1:
+        return buffers
+    inflight, per_chunk, working = _stage0_embedding_backward(
+        spec, terms, fused_norm=fused_norm, autocast=autocast
+    )
+    if inflight < 2:
         return buffers
     e = elem_bytes(t.precision)
-    whole = 4 * m.vocab_size * m.hidden_size
-    grads = (
-        4 * stage_params(m, stage=0, pp=p.pp, tp=p.tp, ep=p.ep)
-        + whole
-        - 4 * (m.vocab_size * m.hidden_size // p.tp)
-    )
+    grads = 4 * stage_params(m, stage=0, pp=p.pp, tp=p.tp, ep=p.ep) + replicated_embedding_extra(m, p.tp)
     made = e * m.vocab_size * m.hidden_size if e < 4 else 0  # upcast beside its FP32 copy
-    held = act.stage_layer_activations(
-        m, p, t, stage=0, engine="torch", fused_norm=fused_norm, autocast=autocast
-    )
-    per_chunk = held // inflight
-    working = max(0, act.backward_working_set(m, p, t) - terms["logits"] - terms["loss"])
     # ZeRO-3: the blocks are resharded, the embedding gathered again for its backward; ZeRO-2 keeps
     # every unsharded parameter from forward on (``param_copies``, in the buffers already).
     root = e * m.vocab_size * m.hidden_size // p.tp if p.zero_stage == 3 else 0

@@ -29,6 +29,7 @@ from harness.spec import (
     type_problems,
 )
 from harness.spec.identity import canonical_grad_sync, canonical_zero
+from harness.spec.validate import ep_unbuilt
 
 
 @dataclass(frozen=True)
@@ -192,8 +193,6 @@ def candidate_groups(base: RunSpec, opts: PlanOptions) -> Iterator[list[RunSpec]
                                 continue
                             group = []
                             for zero, reshard in all_zeros:
-                                if ep > 1 and zero == 1:
-                                    continue  # (ZeroRedundancyOptimizer has one group: not with ep)
                                 par = candidate_parallel(
                                     dp,
                                     tp,
@@ -210,8 +209,8 @@ def candidate_groups(base: RunSpec, opts: PlanOptions) -> Iterator[list[RunSpec]
                                 group += [
                                     RunSpec(base.model, par, train, base.device)
                                     for train in trains
-                                    # (one-rank expert units under op: refused by validation, never listed)
-                                    if not (ep == dp * cp and zero >= 2 and train.recompute == "op")
+                                    # (layouts validation refuses as not built: never listed)
+                                    if not ep_unbuilt(ep, dp * cp, zero, train.recompute)
                                 ]
                             if group:
                                 yield group

@@ -15,6 +15,7 @@ from harness.estimate.peaks import (
     fsdp_last_stage_peaks,
     fsdp_pipeline_first_backward,
     pipeline_last_backward,
+    replicated_embedding_extra,
     replicated_embedding_grad,
     sequence_parallel_forward_end,
 )
@@ -216,12 +217,12 @@ def fsdp_replicated_embedding_grad(spec: RunSpec, terms: dict[str, int]) -> int:
     ZeRO-3, op, s 8192, 8 micro-batches): a 2,004 MiB FP32 block at the peak where the shard is
     501 MiB; the engine read 4.6 % under without it. ZeRO-2 (FSDP2 without resharding after forward)
     accumulates the same way: a real CPU run (``small``, tp 2 × dp 2, BF16, 2 micro-batches) measured
-    4.3 % above the engine without it, 0.07 % below with it (found by the property that a higher ZeRO
+    4.5 % above the engine without it, 0.07 % below with it (found by the property that a higher ZeRO
     stage never costs memory: ZeRO-3 had it and ZeRO-2 not). Not traced, so not counted: a pipeline,
     gradients reduced every micro-batch (torchtitan's default). Mutates ``terms`` (``grad_reduce``);
     returns the bytes added."""
     m, p = spec.model, spec.parallel
-    extra = 4 * m.vocab_size * m.hidden_size - 4 * (m.vocab_size * m.hidden_size // p.tp)
+    extra = replicated_embedding_extra(m, p.tp)
     terms["grad_reduce"] += extra  # (unsharded, like the rest: gone by the optimizer step)
     return extra
 

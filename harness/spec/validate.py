@@ -114,6 +114,12 @@ def _moe_problems(spec: RunSpec) -> list[str]:
     return out
 
 
+def ep_unbuilt(ep: int, shards: int, zero_stage: int, recompute: str) -> bool:
+    """Expert-parallel layouts the runner does not build (``plan`` skips them; :func:`_ep_problems`
+    says why): ZeRO-1, and experts' FSDP2 units of one rank (ep = dp·cp) under op recomputation."""
+    return ep > 1 and (zero_stage == 1 or (ep == shards and zero_stage >= 2 and recompute == "op"))
+
+
 def _ep_problems(spec: RunSpec) -> list[str]:
     """Expert parallelism: ep groups are carved from the flattened dp·cp ranks, each holding a whole
     share of every block's experts."""
@@ -133,14 +139,16 @@ def _ep_problems(spec: RunSpec) -> list[str]:
             f"parallel.ep={p.ep} must divide dp·cp = {p.dp}·{p.cp} = {p.dp * p.cp}: expert-parallel "
             "ranks are data- and context-parallel ranks"
         )
+    shards = p.dp * p.cp if p.dp is not None else 0
+    if not ep_unbuilt(p.ep, shards, p.zero_stage, spec.train.recompute):
+        return out
     if p.zero_stage == 1:
         out.append(
             f"parallel.ep={p.ep} with zero_stage 1 is not built: ZeroRedundancyOptimizer partitions over "
             "one group, and the experts' states belong to the dp·cp/ep ranks that share them "
             "(use ZeRO 0, 2 or 3)"
         )
-    t = spec.train
-    if p.dp is not None and p.ep == p.dp * p.cp and p.zero_stage >= 2 and t.recompute == "op":
+    else:
         # Found by running it: FSDP2's path for a one-rank mesh (each rank alone holds its experts)
         # records profiler ranges inside the checkpointed block that the recomputation does not
         # replay alike, and torch 2.13's selective checkpoint stops at backward.
