@@ -22,6 +22,11 @@ Fields added by issue 33 (CUDA runs; None or absent elsewhere):
   the estimated CUDA context and NCCL buffers): fits, fits_after_flush (the allocator released its
   cache and retried, ``sim_num_alloc_retries`` times), oom_fragmentation (the tensors fit, the reserve
   does not), oom_allocated; the worst rank's verdict, the most retries. CPU and fake runs.
+- ``sim_trace`` (issue 30): which trace ``sim_*`` replay — ``operator_storages`` (CPU and fake runs:
+  the storages the step's operators make and free, as MemTracker sees them; runner/measure/peak.py
+  ``REPLAYED_TRACE`` says why not the CPU allocator's own) or ``cuda_allocator``. CPU rows without it
+  replayed the CPU allocator's own trace. ``per_rank_sim_reserved_bytes``: each rank's replayed
+  reserved peak, in the order of ``per_rank_peak_bytes`` (None where a rank has none).
 - ``env_cuda_version`` (torch's build), ``env_driver_version`` (the kernel module's, read from
   /proc/driver/nvidia/version or nvidia-smi), ``env_cudnn_version``, ``env_nccl_version`` (as a rank
   loaded them): none of them initialises CUDA in the supervisor.
@@ -204,6 +209,7 @@ _FIRST_RANK_FIELDS = (
     "sim_expandable_segments",
     "sim_max_split_size_mb",
     "sim_skipped_reason",
+    "sim_trace",
     "env_cuda_version",
     "env_cudnn_version",
     "env_nccl_version",
@@ -262,9 +268,9 @@ def finish_record(
     row.update(status=status, error=error, error_rank=error_rank, exit_code=exit_code, wall_s=wall_s)
     row.update(launch_tasks=launch_tasks, launch_hosts=launch_hosts)
     done = [r for r in ranks if "peak_allocated_bytes" in r]
-    row["per_rank_peak_bytes"] = [
-        r.get("peak_allocated_bytes") for r in sorted(ranks, key=lambda r: r["rank"])
-    ]
+    ordered = sorted(ranks, key=lambda r: r["rank"])
+    row["per_rank_peak_bytes"] = [r.get("peak_allocated_bytes") for r in ordered]
+    row["per_rank_sim_reserved_bytes"] = [r.get("sim_peak_reserved_bytes") for r in ordered]
     row["oom_source"] = None
     if done:
         worst = max(done, key=lambda r: r["peak_allocated_bytes"])

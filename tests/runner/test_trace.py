@@ -9,7 +9,6 @@ from conftest import spec
 from torch.cuda import _memory_viz
 
 from harness.alloc import TraceError, load_trace, replay
-from harness.runner.measure.trace import step_trace
 from harness.runner.supervisor import run_point
 
 
@@ -52,16 +51,14 @@ def test_a_run_writes_one_trace_per_rank_and_its_replay_is_the_record(tmp_path):
     top = max(peaks, key=lambda r: r.peak_reserved_bytes)
     assert record["sim_peak_reserved_bytes"] == top.peak_reserved_bytes
     assert record["sim_fragmentation_bytes"] == top.fragmentation_bytes
-    # Reserved holds allocated. The replay's allocated peak is the same requests rounded to 512 B blocks,
-    # counted from the storages Python reaches at the step's start where the measured one starts from
-    # MemTracker's count: never more than 3 % below the measured peak (it once fell 11 % short inside the
-    # whole test suite: the measured peak carried blocks freed on gloo threads and the profiler total
-    # this process inherited; see tests/runner/test_measure.py). Above it by up to a few per cent where a free
-    # on a gloo thread cannot be told apart from another block's (here 0.1 % or 3.2 %, run to run; at
-    # most 6.1 % over the second study's 283 runs), so the upper bound is 7 %.
+    # Reserved holds allocated. The replay's allocated peak is the operators' storages (MemTracker's
+    # view, runner/measure/peak.py REPLAYED_TRACE) rounded to 512 B blocks; the measured one is the CPU
+    # allocator's, which also holds what C++ makes out of the tracker's sight (gloo's copy of a
+    # reduce-scatter's input): the replay sits at most 3 % below it and never above it by more than the
+    # rounding.
     assert record["sim_peak_reserved_bytes"] >= record["sim_peak_allocated_bytes"] > 0
     assert 0.97 * record["peak_allocated_bytes"] <= record["sim_peak_allocated_bytes"]
-    assert record["sim_peak_allocated_bytes"] <= 1.07 * record["peak_allocated_bytes"]
+    assert record["sim_peak_allocated_bytes"] <= 1.01 * record["peak_allocated_bytes"]
 
 
 def test_without_run_trace_nothing_is_written_but_the_record_still_has_the_simulation(tmp_path):
@@ -69,20 +66,6 @@ def test_without_run_trace_nothing_is_written_but_the_record_still_has_the_simul
     assert record["status"] == "ok", record["error"]
     assert record["trace_files"] is None
     assert record["sim_peak_reserved_bytes"] >= record["sim_peak_allocated_bytes"] > 0
-
-
-def test_step_trace_frees_a_start_block_whose_address_is_reused():
-    # Block 0x10 (100 B) was alive at the step's start; the profiler never reports its free, but the
-    # step allocates 0x10 again: the free is inferred just before, so the trace replays.
-    step = [{"action": "alloc", "addr": 0x10, "size": 50, "stream": 0, "time_us": 5, "frames": []}]
-    events = step_trace([(0x10, 100), (0x20, 30)], step)
-    assert [(e["action"], e["addr"], e["size"]) for e in events] == [
-        ("alloc", 0x10, 100),
-        ("alloc", 0x20, 30),
-        ("free_completed", 0x10, 100),
-        ("alloc", 0x10, 50),
-    ]
-    assert replay(events).peak_allocated_bytes == 1024  # 100 B and 30 B blocks of 512 B each
 
 
 def test_memory_snapshot_files_are_named_per_rank_and_moment(tmp_path, monkeypatch):

@@ -11,7 +11,8 @@ storage then alive, found through the garbage collector). PyTorch's MemTracker r
 categories (parameters, gradients, optimizer state, activations, temporaries); its own peak
 (``tracker_peak_bytes``) misses what C++ allocates out of its sight, and the difference is reported as
 ``untracked``. Both slow a step 4-7x, so the runner measures memory on a step of its own. A dry run
-(fake tensors, nothing allocated) uses MemTracker only.
+(fake tensors, nothing allocated) uses MemTracker only. CPU and fake runs replay the storages the
+step's operators make (``REPLAYED_TRACE``), CUDA runs the allocator's own trace.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from harness.runner.measure.trace import (
     _SimulatedStreams,
     history_mark,
     simulated,
-    step_trace,
     window_start,
 )
 from harness.runner.measure.tracker import (
@@ -40,8 +40,20 @@ from harness.runner.measure.tracker import (
     _optimizers,
     _tracker_class,
     _untracked_live_tensors,
-    live_storages,
 )
+
+# What a CPU or fake run's ``sim_*`` figures replay (the record's ``sim_trace``): the storages the
+# step's operators make and free, as the tracker sees them (what was alive at the step's start first,
+# as allocations), on the streams CUDA would allocate them on. Not the CPU allocator's own trace: that
+# holds the CPU kernels' scratch (BF16 matmul reorders, the flash-attention kernel's per-thread
+# buffers, scalars wrapped inside kernels: 1,935 allocations in a `tiny` step where its operators make 927),
+# which a CUDA kernel of the same operator does not ask the caching allocator for, and the blocks of
+# the intra-op thread pool, which the profiler sees only as a rising total whose frees are guessed —
+# so its replay moved by a segment or two from run to run of one point (`tiny`, BF16, full
+# recomputation: 62.9, 65.0 and 67.1 MiB in three runs; 60.8 MiB every time from the operators'
+# storages, as its fake run replays). A CUDA run replays the allocator's own trace ("cuda_allocator").
+REPLAYED_TRACE = "operator_storages"
+CUDA_REPLAYED_TRACE = "cuda_allocator"
 
 
 class PeakMemory:
@@ -102,16 +114,11 @@ class PeakMemory:
         # turns "grads" when backward hands out its views.
         tracker.track_external(*_untracked_live_tensors(tracker, self.device, fake=not self.allocator))
         baseline = int(tracker.get_tracker_snapshot().get(self.device, {}).get("Total", 0))
-        start_live = live_storages(self.device) if self.allocator else []
-        streams = _SimulatedStreams(self.modules)
-        if self.allocator:
-            tracker.start_stream_log(streams)
-        else:
-            tracker.start_trace(streams)
+        # The replayed trace is the storages the step's operators make and free, as the tracker sees
+        # them, in real and fake runs alike (``replayed_trace`` below says why).
+        tracker.start_trace(_SimulatedStreams(self.modules))
         self.tracker = tracker
         allocator = _AllocatorPeak() if self.allocator else contextlib.nullcontext()
-        if self.allocator:
-            allocator.stream_log = tracker.stream_log
         with allocator, tracker:
             yield
         self.tracker = None
@@ -124,17 +131,12 @@ class PeakMemory:
         tracked = int(peak.get("Total", sum(categories.values())))
         if not self.allocator:
             self._result = {"memory_method": "mem_tracker", "peak_allocated_bytes": tracked}
-            events, tracker.trace_events = tracker.trace_events or [], None
-            self.trace = {"segments": [], "device_traces": [events]}
-            self._simulate(events)
         else:
             # The allocator's count is the peak; MemTracker's categories say what it was made of. They
             # differ where C++ code allocates out of the tracker's sight ("untracked").
-            held_elsewhere = 0
             base = accounting_base()
             if base is not None and allocator.max_total is not None:
                 total = allocator.max_total - base
-                held_elsewhere = allocator.start_total - base - sum(n for _, n in start_live)
             else:  # counted from the step's start: what was alive then is assumed alive throughout
                 total = baseline + allocator.peak_bytes
             categories["untracked"] = max(0, total - tracked)
@@ -143,9 +145,10 @@ class PeakMemory:
                 "peak_allocated_bytes": total,
                 "tracker_peak_bytes": tracked,
             }
-            events = step_trace(start_live, allocator.events, held_elsewhere=held_elsewhere)
-            self.trace = {"segments": [], "device_traces": [events]}
-            self._simulate(events)
+        events, tracker.trace_events = tracker.trace_events or [], None
+        self.trace = {"segments": [], "device_traces": [events]}
+        self._result["sim_trace"] = REPLAYED_TRACE
+        self._simulate(events)
         self._result["categories"] = categories
 
     def _cuda_replay(self, start: dict[str, Any] | None) -> dict[str, Any]:
@@ -156,7 +159,7 @@ class PeakMemory:
         (every segment and block of a snapshot taken there, so the cache the warm-up steps left is in
         it, as it is in the measured reserved peak) and replays the window's events only; the peaks
         start at that state, as reset_peak_memory_stats sets them to the current values. (A replay
-        of the live blocks alone, as ``step_trace`` builds for CPU runs, would start from an empty
+        of the live blocks alone, as CPU runs replay (``REPLAYED_TRACE``), would start from an empty
         cache and open the segments the real allocator had cached: neither its reserved peak nor its
         segment count would compare.) ``sim_*`` stay empty, with ``sim_skipped_reason``, where the
         settings hold something the model lacks, no history was recorded, or the model refuses the
@@ -164,6 +167,7 @@ class PeakMemory:
         device = self.device.index if self.device.index is not None else torch.cuda.current_device()
         info = allocator_info()
         out: dict[str, Any] = {k: v for k, v in info.items() if k != "snapshot_settings"}
+        out["sim_trace"] = CUDA_REPLAYED_TRACE
         if start is None:
             reason = info.get("skipped") or "no allocation history recorded (start_cuda_history not run)"
             return {**out, "sim_skipped_reason": reason}
@@ -172,6 +176,7 @@ class PeakMemory:
         if isinstance(settings, dict):
             info = allocator_info(settings)
             out = {k: v for k, v in info.items() if k != "snapshot_settings"}
+            out["sim_trace"] = CUDA_REPLAYED_TRACE
         traces = snap.get("device_traces") or []
         events = traces[device] if device < len(traces) else []
         begin = window_start(events, start["mark"])

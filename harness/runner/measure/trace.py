@@ -1,6 +1,5 @@
-"""Trace reconstruction: the CUDA stream each allocation would be made on, the step's events in the order
-the allocator saw them, the measured step as one allocation trace, and its replay through the
-caching-allocator model (harness/alloc)."""
+"""Traces: the CUDA stream each allocation would be made on, the CPU allocator's events in the order it
+saw them, and a step's trace replayed through the caching-allocator model (harness/alloc)."""
 
 from __future__ import annotations
 
@@ -40,8 +39,9 @@ from torch import nn
 # the collective on its NCCL stream but allocates nothing there, and its ``recordStream`` on the input
 # (ProcessGroupNCCL.cpp ``collective``, unless TORCH_NCCL_AVOID_RECORD_STREAMS holds the tensor instead)
 # only delays the reuse of the block, which stays in its own stream's pool. So everything DDP allocates is
-# on stream 0, as CUDA's own trace of a DDP step shows. Not modelled: the CPU-only blocks of gloo (its
-# copies of collective inputs, on threads the tracker does not see) stay on stream 0.
+# on stream 0, as CUDA's own trace of a DDP step shows. The CPU-only blocks of gloo (its copies of
+# collective inputs, made inside the collective where the tracker does not see) are not in a real run's
+# replayed trace; a fake run's emulations of them (runner/fake/modes.py) are, on stream 0.
 DEFAULT_STREAM = 0
 FSDP_ALL_GATHER_STREAM = 1  # all_gather_copy_in_stream
 FSDP_REDUCE_SCATTER_STREAM = 2  # reduce_scatter_stream
@@ -98,37 +98,6 @@ class _SimulatedStreams:
                 self._roots += 1
 
 
-# Synthetic addresses for blocks the c10 total shows but no profiler event names (made on a thread the
-# profiler does not run on, such as gloo's): far above any real address, so never confused with one.
-_FOREIGN_BASE = 1 << 62
-
-
-class _StreamMatcher:
-    """Called with a profiled allocation's (address, bytes), its stream: that of the storage the tracker
-    saw an operator make at that address with that size (``Tracker.stream_log``), taken in order.
-    The profiler sees more allocations than the tracker (those no operator returns), so an allocation
-    is matched to the first of the next few storages logged at its address that has its size, and the
-    ones logged before it there are dropped (made where the profiler does not look); an allocation none
-    matches is on stream 0."""
-
-    _LOOKAHEAD = 4
-
-    def __init__(self, log: list[tuple[int, int, int]]):
-        self._at: dict[int, list[tuple[int, int]]] = {}  # address → (bytes, stream), latest last
-        for addr, size, stream in reversed(log):
-            self._at.setdefault(addr, []).append((size, stream))
-
-    def __call__(self, addr: int, size: int) -> int:
-        queue = self._at.get(addr)
-        if queue:
-            for k in range(1, min(len(queue), self._LOOKAHEAD) + 1):
-                if queue[-k][0] == size:
-                    stream = queue[-k][1]
-                    del queue[-k:]
-                    return stream
-        return DEFAULT_STREAM
-
-
 def _order_by_total(found: list[tuple]) -> None:
     """Put the events back in the order the c10 total says they happened (in place). A profiler event's
     time is taken after the allocator's lock is released, so a thread preempted in between records it
@@ -164,38 +133,6 @@ def _trace_event(action: str, addr: int, size: int, stream: int, time_ns: int = 
         "time_us": time_ns // 1000,
         "frames": [],
     }
-
-
-def step_trace(
-    start_live: list[tuple[int, int]], events: list[dict[str, Any]], *, held_elsewhere: int = 0
-) -> list[dict[str, Any]]:
-    """The measured step as one trace: what was alive at its start first, as allocations (with
-    ``held_elsewhere`` bytes that no Python object reaches as one more block), then the step's own
-    events. A start block's free is its own event where the allocator counted it (it was made after
-    ``start_cpu_accounting``); otherwise an address allocated again proves the block was freed, and its
-    free is inserted there. Frees of blocks neither made in the step nor alive at its start are dropped."""
-    out = [_trace_event("alloc", ptr, size, 0) for ptr, size in start_live]
-    if held_elsewhere > 0:
-        out.append(_trace_event("alloc", _HELD_ELSEWHERE, held_elsewhere, 0))
-    before = {ptr: size for ptr, size in start_live}
-    made: set[int] = set()
-    for ev in events:
-        addr = ev["addr"]
-        if ev["action"] == "alloc":
-            if addr in before:
-                out.append(_trace_event("free_completed", addr, before.pop(addr), 0, ev["time_us"] * 1000))
-            made.add(addr)
-            out.append(ev)
-        elif addr in made:
-            made.discard(addr)
-            out.append(ev)
-        elif addr in before:
-            out.append(_trace_event("free_completed", addr, before.pop(addr), 0, ev["time_us"] * 1000))
-    return out
-
-
-# The start block standing for storage that C++ objects alone hold when the step begins.
-_HELD_ELSEWHERE = _FOREIGN_BASE - 2**32
 
 
 def simulated(

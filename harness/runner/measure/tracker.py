@@ -49,7 +49,6 @@ def _tracker_class():
         _MemRefType,
         _ModMemStats,
         _UpdateType,
-        _WeakRefInfo,
     )
     from torch.distributed.tensor import DTensor
     from torch.utils._pytree import tree_map_only
@@ -61,15 +60,11 @@ def _tracker_class():
         # The storages it sees made and freed, as trace events (harness.alloc's format), where no
         # allocator reports them (fake tensors allocate nothing): set to a list to record. A storage's
         # address is its ``_WeakRefInfo``'s id (unique while it lives); FSDP2's ``resize_`` of an
-        # unsharded parameter is a free and an allocation. ``stream_log``, where an allocator reports
-        # them (a real CPU run): (address, bytes, stream) of each storage an operator makes, in order,
-        # for ``_AllocatorPeak`` to give its allocations their streams. ``streams``: the stream
-        # allocated on now (``_SimulatedStreams``; the stream constants above).
+        # unsharded parameter is a free and an allocation. ``streams``: the stream allocated on now
+        # (``_SimulatedStreams``; the stream constants above).
         trace_events: list[dict[str, Any]] | None = None
-        stream_log: list[tuple[int, int, int]] | None = None
         streams: Callable[[], int] = staticmethod(lambda: DEFAULT_STREAM)
         _block_streams: dict[int, int]  # address → stream of a recorded block not on stream 0
-        _grown: list[_WeakRefInfo] | None = None  # storages made or grown by the current operator
 
         def start_trace(self, streams: Callable[[], int] | None = None) -> None:
             """Record from here on, starting with every storage tracked now, as allocations."""
@@ -82,17 +77,8 @@ def _tracker_class():
                 if w.mem_consumed
             ]
 
-        def start_stream_log(self, streams: Callable[[], int]) -> None:
-            """Log the streams of the storages operators make from here on (``stream_log``)."""
-            self.streams = streams
-            self.stream_log = []
-
         def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
             super()._update_snap(u_type, winfo, old_mem_consumed=old_mem_consumed, old_reftype=old_reftype)
-            if self._grown is not None and (
-                u_type == _UpdateType.ADD or (u_type == _UpdateType.SIZE and winfo.mem_consumed)
-            ):
-                self._grown.append(winfo)
             events = self.trace_events
             if events is None:
                 return
@@ -105,26 +91,6 @@ def _tracker_class():
                 if stream != DEFAULT_STREAM:
                     streams[addr] = stream
                 events.append(_trace_event("alloc", addr, winfo.mem_consumed, stream))
-
-        def _log_streams(self, func, res: Any) -> None:
-            # The storages of this operator's result that it made (``_grown``), with the current
-            # stream, for a real run's trace (whose events come from the profiler, by address). An
-            # operator whose result aliases an input (a view, an ``out=``) made nothing, though the
-            # tracker may see the storage as new: MemTracker knows a storage by its Python object, and
-            # one that died and was made again is added again (a real gloo reduce-scatter's ``split``
-            # of its input, on the reduce-scatter stream: logged, that block's address took stream 2
-            # for the next allocation there).
-            grown, self._grown = self._grown, None
-            if not grown or _aliases(func):
-                return
-            stream = self.streams()
-            tensors = res if type(res) in (tuple, list) else [res]
-            for x in tensors:
-                if isinstance(x, torch.Tensor):
-                    st = x.untyped_storage()
-                    w = self._WINFO.get(st)
-                    if w is not None and any(w[0] is g for g in grown):
-                        self.stream_log.append((st.data_ptr(), st.nbytes(), stream))
 
         # Only the global figures are read (``get_tracker_snapshot``: current and peak, by category),
         # never the per-module statistics (``memory_tracking``'s snapshots and local peaks), which
@@ -185,8 +151,6 @@ def _tracker_class():
             waited = func is _WAIT_TENSOR and active_fake_mode()  # (MemTracker's meta wait_tensor fix)
             res = args[0] if waited else func(*args, **kwargs or {})
             if active_fake_mode() is self._fake_mode_on_entry:
-                if self.stream_log is not None:
-                    self._grown = []
                 if self._in_opt:
                     reftype = _MemRefType.OPT
                 elif self._mod_tracker.is_bw and not self._in_ac:
@@ -203,24 +167,10 @@ def _tracker_class():
                             self._track(reftype, x)
                 else:
                     tree_map_only(torch.Tensor, partial(self._track, reftype), res)
-                if self._grown is not None:
-                    self._log_streams(func, res)
                 self._update_peak_stats(None)
             return res
 
     return Tracker
-
-
-_ALIASES: dict[Any, bool] = {}
-
-
-def _aliases(func) -> bool:
-    """Whether any result of the operator ``func`` aliases an input (its schema says so)."""
-    known = _ALIASES.get(func)
-    if known is None:
-        schema = getattr(func, "_schema", None)
-        known = _ALIASES[func] = schema is not None and any(r.alias_info is not None for r in schema.returns)
-    return known
 
 
 def _optimizers(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
@@ -265,11 +215,3 @@ def _untracked_live_tensors(tracker: Any, device: torch.device, *, fake: bool) -
     allocator-level count would include."""
     known = tracker._WINFO
     return [t for t in _live_device_tensors(device, fake=fake) if t.untyped_storage() not in known]
-
-
-def live_storages(device: torch.device) -> list[tuple[int, int]]:
-    """(address, bytes) of every tensor storage alive on ``device`` that Python can reach."""
-    return [
-        (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        for t in _live_device_tensors(device, fake=False)
-    ]
