@@ -20,9 +20,10 @@ What differs from the real run, and how it is handled:
   reducer does (``Reducer::rebuild_buckets``). Collectives move no memory under the fake group.
 - FSDP2 on a 2-D (dp × tp) mesh builds a concatenated DeviceMesh from real index tensors, which fails
   inside FakeTensorMode; the mesh construction runs with fake mode suspended (``_real_meshes``).
-- gloo's reduce-scatter clones its input for the call, and its all-gather allocates two output-sized
-  temporaries (``device=cpu`` runs); the fake group allocates nothing, so on ``device=cpu`` the trace
-  makes them (``modes._gloo_reduce_scatter_copy``, ``modes._gloo_all_gather_temporaries``); NCCL makes
+- gloo's reduce-scatter clones its input for the call (FSDP2's and DTensor's), and its all-gather
+  allocates two output-sized temporaries (``device=cpu`` runs); the fake group allocates nothing, so
+  on ``device=cpu`` the trace makes them (``modes._gloo_reduce_scatter_copy``,
+  ``modes._gloo_functional_reduce_scatter_copies``, ``modes._gloo_all_gather_temporaries``); NCCL makes
   none, and GPU presets trace without them. gloo's point-to-point works also hold their tensors while
   the pipeline schedule keeps them (``modes._gloo_works_hold_tensors``, CPU only).
 - On a GPU preset the CPU's kernels are replaced by what CUDA's save and allocate

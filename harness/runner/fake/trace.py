@@ -10,6 +10,7 @@ from harness.runner.fake.modes import (
     _bucketed_ddp,
     _fake_deepcopy,
     _gloo_all_gather_temporaries,
+    _gloo_functional_reduce_scatter_copies,
     _gloo_reduce_scatter_copy,
     _gloo_works_hold_tensors,
     _local_stage_meta,
@@ -75,6 +76,7 @@ def trace_rank(
             _private_sharding_propagation(),
             _gloo_reduce_scatter_copy(spec.device.name == "cpu"),
             _gloo_all_gather_temporaries(spec.device.name == "cpu"),
+            _gloo_functional_reduce_scatter_copies(spec.device.name == "cpu"),
             _gloo_works_hold_tensors(spec.device.name == "cpu"),
             kernels,
         ):
