@@ -46,8 +46,8 @@ from harness.runner.measure.tracker import (
 # step's operators make and free, as the tracker sees them (what was alive at the step's start first,
 # as allocations), on the streams CUDA would allocate them on. Not the CPU allocator's own trace: that
 # holds the CPU kernels' scratch (BF16 matmul reorders, the flash-attention kernel's per-thread
-# buffers, scalars wrapped inside kernels: 1,935 allocations in a `tiny` step where its operators make 927),
-# which a CUDA kernel of the same operator does not ask the caching allocator for, and the blocks of
+# buffers, scalars wrapped inside kernels: 1,935 allocations in a `tiny` step whose operators make
+# 927), which a CUDA kernel of the same operator does not ask the caching allocator for, and the blocks of
 # the intra-op thread pool, which the profiler sees only as a rising total whose frees are guessed —
 # so its replay moved by a segment or two from run to run of one point (`tiny`, BF16, full
 # recomputation: 62.9, 65.0 and 67.1 MiB in three runs; 60.8 MiB every time from the operators'
@@ -115,7 +115,7 @@ class PeakMemory:
         tracker.track_external(*_untracked_live_tensors(tracker, self.device, fake=not self.allocator))
         baseline = int(tracker.get_tracker_snapshot().get(self.device, {}).get("Total", 0))
         # The replayed trace is the storages the step's operators make and free, as the tracker sees
-        # them, in real and fake runs alike (``replayed_trace`` below says why).
+        # them, in real and fake runs alike (``REPLAYED_TRACE`` says why).
         tracker.start_trace(_SimulatedStreams(self.modules))
         self.tracker = tracker
         allocator = _AllocatorPeak() if self.allocator else contextlib.nullcontext()
