@@ -23,6 +23,17 @@ POINT = (
 )
 
 
+def _real_and_fake(point, tmp_path) -> tuple[dict, dict]:
+    """The records of ``point`` run once real and once fake, each ok."""
+    records = []
+    for mode in ("real", "fake"):
+        done = harness_cli("run", *point, f"run.mode={mode}", f"results_dir={tmp_path}")
+        assert done.returncode == 0, done.stderr
+        records.append(json.loads(done.stdout))
+        assert records[-1]["status"] == "ok", records[-1].get("error")
+    return records[0], records[1]
+
+
 # One rank, BF16, full recomputation: the real run's replay read 62.9, 65.0 and 67.1 MiB in three runs
 # of the CPU allocator's trace, the fake run's 60.8 MiB every time (issue 30: 35 of the BF16 study's
 # 131 points were more than 1 % apart, by a segment or two).
@@ -30,14 +41,8 @@ ONE_RANK = ("model=tiny", "train.precision=bf16", "train.recompute=full", "train
 
 
 def test_one_rank_real_and_fake_runs_replay_the_same_operator_storages(tmp_path):
-    records = {}
-    for mode in ("real", "fake"):
-        done = harness_cli("run", *ONE_RANK, f"run.mode={mode}", f"results_dir={tmp_path}")
-        assert done.returncode == 0, done.stderr
-        records[mode] = json.loads(done.stdout)
-        assert records[mode]["status"] == "ok", records[mode].get("error")
-        assert records[mode]["sim_trace"] == "operator_storages"
-    real, fake = records["real"], records["fake"]
+    real, fake = _real_and_fake(ONE_RANK, tmp_path)
+    assert real["sim_trace"] == fake["sim_trace"] == "operator_storages"
     assert real["per_rank_sim_reserved_bytes"] == [real["sim_peak_reserved_bytes"]]
     assert fake["sim_peak_reserved_bytes"] == real["sim_peak_reserved_bytes"]
     assert fake["sim_peak_allocated_bytes"] == pytest.approx(real["sim_peak_allocated_bytes"], rel=1e-3)
@@ -47,13 +52,7 @@ def test_one_rank_real_and_fake_runs_replay_the_same_operator_storages(tmp_path)
 @pytest.mark.slow
 @pytest.mark.parametrize("point", [POINT], ids=["ddp-zero1-accumulation-bf16"])
 def test_fake_and_real_traces_replay_to_the_same_reserved_peak(point, tmp_path):
-    records = {}
-    for mode in ("real", "fake"):
-        done = harness_cli("run", *point, f"run.mode={mode}", f"results_dir={tmp_path}")
-        assert done.returncode == 0, done.stderr
-        records[mode] = json.loads(done.stdout)
-        assert records[mode]["status"] == "ok", records[mode].get("error")
-    real, fake = records["real"], records["fake"]
+    real, fake = _real_and_fake(point, tmp_path)
     assert fake["peak_allocated_bytes"] == pytest.approx(real["peak_allocated_bytes"], rel=1e-3)
     assert fake["sim_peak_reserved_bytes"] == pytest.approx(real["sim_peak_reserved_bytes"], rel=0.01)
 
@@ -75,13 +74,7 @@ TP_SP_PP = (
 
 
 def test_fake_trace_of_tp_sp_under_a_pipeline_holds_each_traced_rank_to_the_real_run(tmp_path):
-    records = {}
-    for mode in ("real", "fake"):
-        done = harness_cli("run", *TP_SP_PP, f"run.mode={mode}", f"results_dir={tmp_path}")
-        assert done.returncode == 0, done.stderr
-        records[mode] = json.loads(done.stdout)
-        assert records[mode]["status"] == "ok", records[mode].get("error")
-    real, fake = records["real"], records["fake"]
+    real, fake = _real_and_fake(TP_SP_PP, tmp_path)
     assert fake["fake_traced_ranks"] == [0, 2]  # one rank of each stage
     for rank, peak, reserved in zip(
         fake["fake_traced_ranks"],
