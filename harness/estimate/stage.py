@@ -53,7 +53,7 @@ def _state_terms(
     if engine == "torch" and zero == 1:
         partition = max(zero1_partitions(param_numels(m, stage=stage, pp=pp, tp=tp), shards))
     if engine == "megatron":
-        states = st.megatron_states(n, zero_stage=zero, shards=shards, precision=precision)
+        states = st.megatron_states(n, zero_stage=zero, shards=shards, precision=precision, sharded=whole)
     else:
         states = st.torch_states(
             n, zero_stage=zero, shards=shards, precision=precision, partition=partition, sharded=whole

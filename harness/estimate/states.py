@@ -18,7 +18,9 @@ def _shard(n_bytes: int, shards: int) -> int:
     return -(-n_bytes // shards)
 
 
-def megatron_states(n: int, *, zero_stage: int, shards: int, precision: str) -> dict[str, int]:
+def megatron_states(
+    n: int, *, zero_stage: int, shards: int, precision: str, sharded: int | None = None
+) -> dict[str, int]:
     """Megatron-LM mixed precision: BF16 weights (2 B), FP32 main gradients (4 B), Adam with FP32 master
     weights and two FP32 moments (12 B) = 18 B per parameter; FP32 training keeps 4 + 4 + 8 = 16 B.
 
@@ -26,12 +28,20 @@ def megatron_states(n: int, *, zero_stage: int, shards: int, precision: str) -> 
     6 + 12/(d·c)), the gradients (z ≥ 2) and the weights (z = 3), as in Rajbhandari et al. 2019
     (arXiv 1910.02054, Fig. 1) with Megatron's byte counts. Megatron's own
     ``theoretical_memory_usage.py`` divides by d only, which overestimates when c > 1.
+
+    With expert parallelism the rank holds 1/ep of the experts (``n``), and the distributed optimizer
+    shards their states over the expert-data-parallel group, the d·c/ep ranks that hold the same
+    experts (Megatron-Core ``parallel_state``: expert data parallel = world / (pp · ep · etp), with the
+    expert tensor parallelism equal to tp): the rank's shard is the whole stage's count (``sharded``)
+    / d·c, as for the ``torch`` engine. Taking ``n`` there read the experts' sharded states ep times
+    too small.
     """
     w, g, o = (2, 4, 12) if precision == "bf16" else (4, 4, 8)
+    s = n if sharded is None else sharded
     return {
-        "params": _shard(w * n, shards) if zero_stage >= 3 else w * n,
-        "grads": _shard(g * n, shards) if zero_stage >= 2 else g * n,
-        "optimizer": _shard(o * n, shards) if zero_stage >= 1 else o * n,
+        "params": _shard(w * s, shards) if zero_stage >= 3 else w * n,
+        "grads": _shard(g * s, shards) if zero_stage >= 2 else g * n,
+        "optimizer": _shard(o * s, shards) if zero_stage >= 1 else o * n,
     }
 
 

@@ -313,6 +313,28 @@ def test_the_paper_and_megatron_engines_say_what_they_do_with_experts():
     assert estimate(s, engine="torch").notes == ()
 
 
+@pytest.mark.parametrize("zero", [2, 3])  # (ZeRO-1 with ep is refused: validate.ep_unbuilt)
+def test_the_megatron_engine_shards_expert_states_over_the_ranks_that_hold_the_same_experts(zero):
+    # Megatron's distributed optimizer shards an expert's states over the expert-data-parallel group
+    # (d·c/ep ranks), a dense weight's over d·c: a rank's shard is the whole stage's parameters / d·c,
+    # with or without expert parallelism. (Taking the rank's 1/ep of the experts read them ep times low.)
+    from harness.estimate.params import stage_params
+
+    base = spec("mixtral_8x7b", "h100_80gb", parallel_dp=8, parallel_zero_stage=zero, train_precision="bf16")
+    with_ep = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, ep=8))
+    whole = stage_params(base.model, stage=0, pp=1, tp=1)
+    sharded = {2: ("optimizer", "grads"), 3: ("optimizer", "grads", "params")}[zero]
+    per_param = {"params": 2, "grads": 4, "optimizer": 12}
+    for s in (base, with_ep):
+        terms = estimate(s, engine="megatron").worst.terms
+        for term in sharded:
+            assert terms[term] == -(-per_param[term] * whole // 8), (s.parallel.ep, term)
+    # what expert parallelism does change: the unsharded states hold 1/ep of the experts
+    if zero < 3:
+        ep_terms = estimate(with_ep, engine="megatron").worst.terms
+        assert ep_terms["params"] < estimate(base, engine="megatron").worst.terms["params"]
+
+
 def test_a_fake_expert_parallel_run_traces_what_the_real_run_measures():
     # The ep meshes are cut from the real mesh tensor outside FakeTensorMode; under DDP the fake
     # replica leaves the experts out of its buckets as DDP does. The traced rank (rank 0) holds
