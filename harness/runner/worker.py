@@ -51,6 +51,27 @@ def synthetic_batch(spec: RunSpec) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
+def rank_batch(
+    spec: RunSpec, dp_rank: int, positions: torch.Tensor | None, device: torch.device, *, copy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's token ids and targets: its data-parallel share of the global batch, its context-
+    parallel positions (``positions``), on ``device``. On the CPU they are views of the global batch
+    (one storage for both where the batch is a single sequence, whose two shifted views are already
+    contiguous); moved to a GPU, each is a copy of its own. ``copy``: make that copy without a GPU
+    (a fake trace of a GPU preset). The real rank and its fake trace both build it here: a fake trace
+    that passed one tensor as both left a 4 micro-batch pipeline's targets out of its last stage."""
+    t = spec.train
+    tokens, targets = synthetic_batch(spec)
+    per_rank = t.micro_batch_size * t.num_microbatches
+    tokens = tokens[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+    targets = targets[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+    if positions is not None:
+        tokens, targets = shard_sequence(tokens, positions), shard_sequence(targets, positions)
+    if copy:
+        return tokens.clone(), targets.clone()
+    return tokens.to(device), targets.to(device)
+
+
 def device_for(spec: RunSpec, local_rank: int, local_world: int) -> tuple[torch.device, str]:
     """This rank's device and the process group's backend; ``local_world``: the ranks on this node."""
     if spec.device.name == "cpu":
@@ -268,18 +289,11 @@ def _run(spec: RunSpec, device: torch.device, artifacts: _Artifacts | None = Non
     # On the meta device: no memory until each rank's part is known (parallel/materialize.py).
     with torch.device("meta"):
         model = Llama(spec.model, seq_len=t.seq_len, attention=t.attention, moe_imbalance=t.moe_imbalance)
-    tokens, targets = synthetic_batch(spec)
-    per_rank = t.micro_batch_size * t.num_microbatches
-    dp_rank = mesh["dp"].get_local_rank()
-    tokens = tokens[dp_rank * per_rank : (dp_rank + 1) * per_rank]
-    targets = targets[dp_rank * per_rank : (dp_rank + 1) * per_rank]
     build_start = time.perf_counter()
     par = parallelize(model, spec, mesh, device)
     del model  # (a pipeline rank's stages are copies of it)
     build_s = time.perf_counter() - build_start
-    if par.positions is not None:
-        tokens, targets = shard_sequence(tokens, par.positions), shard_sequence(targets, par.positions)
-    tokens, targets = tokens.to(device), targets.to(device)
+    tokens, targets = rank_batch(spec, mesh["dp"].get_local_rank(), par.positions, device)
 
     losses: list[float] = []
 

@@ -528,8 +528,8 @@ def _trace_with_warm_up(s, full):
 
     if full:  # the warm-up a real run takes: every micro-batch
 
-        def every_micro_batch(par, tokens, spec):
-            train_step(par, tokens, tokens, num_microbatches=spec.train.num_microbatches)
+        def every_micro_batch(par, tokens, targets, spec):
+            train_step(par, tokens, targets, num_microbatches=spec.train.num_microbatches)
 
         fake_trace.warm_up = every_micro_batch
     r = fake_trace.trace_rank(s, 0)

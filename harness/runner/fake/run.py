@@ -17,13 +17,22 @@ What differs from the real run, and how it is handled:
   pointers. It is replaced by ``BucketedReplica``, which accounts for the reducer's memory explicitly:
   the same flat gradient buckets (``gradient_as_bucket_view``: the gradients are views of them), kept
   across steps, and rebuilt at the second step's first forward, the first set released, as the
-  reducer does (``Reducer::rebuild_buckets``). Collectives move no memory under the fake group.
+  reducer does (``Reducer::rebuild_buckets``: the first bucket cut at 1 MiB, the others at 25 MiB).
+  Collectives move no memory under the fake group.
+- Functional collectives (DTensor's, context parallelism's, the experts' all-to-all): under a fake
+  mode ``funcol`` waits each output at once, as for a compiler's trace; an eager run waits it at its
+  first use and the collective's Work holds the input until then. On ``device=cpu`` the fake run does
+  as the eager one (``modes._collectives_waited_at_first_use``: the tracker holds the inputs gloo's
+  Work holds, all-gather's and all-to-all's); GPU presets keep the immediate wait (why: there).
+- The targets are a tensor of their own, as on a real rank.
 - FSDP2 on a 2-D (dp × tp) mesh builds a concatenated DeviceMesh from real index tensors, which fails
   inside FakeTensorMode; the mesh construction runs with fake mode suspended (``_real_meshes``).
 - gloo's reduce-scatter clones its input for the call (FSDP2's and DTensor's), and its all-gather
   allocates two output-sized temporaries (``device=cpu`` runs); the fake group allocates nothing, so
   on ``device=cpu`` the trace makes them (``modes._gloo_reduce_scatter_copy``,
-  ``modes._gloo_functional_reduce_scatter_copies``, ``modes._gloo_all_gather_temporaries``); NCCL makes
+  ``modes._gloo_functional_reduce_scatter_copies``, ``modes._gloo_all_gather_temporaries``; the
+  functional one counted in the peak but left out of the trace, which a real run's tracker never
+  sees it in: ``measure.tracker.untraced``); NCCL makes
   none, and GPU presets trace without them. gloo's point-to-point works also hold their tensors while
   the pipeline schedule keeps them (``modes._gloo_works_hold_tensors``, CPU only).
 - On a GPU preset the CPU's kernels are replaced by what CUDA's save and allocate

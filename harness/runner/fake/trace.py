@@ -8,6 +8,7 @@ from typing import Any
 
 from harness.runner.fake.modes import (
     _bucketed_ddp,
+    _collectives_waited_at_first_use,
     _fake_deepcopy,
     _gloo_all_gather_temporaries,
     _gloo_functional_reduce_scatter_copies,
@@ -52,6 +53,7 @@ def trace_rank(
     from harness.runner.model import Llama
     from harness.runner.parallel import compose
     from harness.runner.parallel.compose import MESH_DIMS, parallelize, train_step
+    from harness.runner.worker import rank_batch
 
     spec = canonical(spec)
     p, t = spec.parallel, spec.train
@@ -78,18 +80,19 @@ def trace_rank(
             _gloo_all_gather_temporaries(spec.device.name == "cpu"),
             _gloo_functional_reduce_scatter_copies(spec.device.name == "cpu"),
             _gloo_works_hold_tensors(spec.device.name == "cpu"),
+            _collectives_waited_at_first_use(spec.device.name == "cpu"),
             kernels,
         ):
             model = Llama(spec.model, seq_len=t.seq_len, attention=t.attention, moe_imbalance=t.moe_imbalance)
             par = parallelize(model, spec, mesh, cpu)
             del model  # as the real rank does: a pipeline stage is a copy of it
-            per_rank = (t.micro_batch_size * t.num_microbatches, t.seq_len // p.cp)
-            tokens = torch.randint(0, spec.model.vocab_size, per_rank)
+            # As the real rank builds them (a GPU preset's are copies, as moved to the GPU)
+            tokens, targets = rank_batch(spec, mesh["dp"].get_local_rank(), par.positions, cpu, copy=cuda)
             memory = PeakMemory(par.modules, par.optimizer, cpu, allocator=False)
             memory.capacity_bytes = card_capacity_bytes(spec)
-            warm_up(par, tokens, spec)
+            warm_up(par, tokens, targets, spec)
             with memory.measure():
-                train_step(par, tokens, tokens, num_microbatches=t.num_microbatches)
+                train_step(par, tokens, targets, num_microbatches=t.num_microbatches)
         out = {
             **memory.result(),
             "memory_method": MEMORY_METHOD,
@@ -106,7 +109,7 @@ def trace_rank(
         dist.destroy_process_group()
 
 
-def warm_up(par, tokens, spec: RunSpec) -> None:
+def warm_up(par, tokens, targets, spec: RunSpec) -> None:
     """The step before the measured one. Without a pipeline it runs one micro-batch: what the measured
     step finds afterwards is what all of them leave (optimizer state made, DDP's buckets rebuilt at the
     next forward, FSDP2 initialised, every gradient freed by ``zero_grad``), at 1/num_microbatches of
@@ -117,10 +120,10 @@ def warm_up(par, tokens, spec: RunSpec) -> None:
 
     t = spec.train
     if par.schedule is None:
-        warm = tokens[: t.micro_batch_size]
-        train_step(par, warm, warm, num_microbatches=1)
+        b = t.micro_batch_size
+        train_step(par, tokens[:b], targets[:b], num_microbatches=1)
     else:
-        train_step(par, tokens, tokens, num_microbatches=t.num_microbatches)
+        train_step(par, tokens, targets, num_microbatches=t.num_microbatches)
 
 
 def _zero1_partition(optimizer) -> list[int] | None:

@@ -4,6 +4,7 @@ storages it cannot see."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -29,6 +30,39 @@ CATEGORY_NAMES = {
 }
 
 
+# The functional collectives (``_c10d_functional`` op names) whose input a fake run keeps alive until
+# their output is waited, as a real process group's Work does (``collective_inputs_held``).
+_HELD_UNTIL_WAIT: list[frozenset[str]] = [frozenset()]
+# Depth of ``untraced()`` blocks open now (a rank runs one tracker at a time).
+_UNTRACED = [0]
+
+
+@contextlib.contextmanager
+def untraced() -> Iterator[None]:
+    """Storages made inside count in the tracker's figures (its peak) but stay out of its trace, they
+    and their frees: what a fake run emulates that a real run's tracker never sees as an operator's
+    storage, such as a copy a collective's C++ makes under the dispatch mode's own call, which the
+    CPU allocator counts but no operator owns (``fake.modes``)."""
+    _UNTRACED[0] += 1
+    try:
+        yield
+    finally:
+        _UNTRACED[0] -= 1
+
+
+@contextlib.contextmanager
+def collective_inputs_held(ops: frozenset[str]) -> Iterator[None]:
+    """While open, a fake run's tracker keeps the input of each functional collective named in ``ops``
+    alive until the collective's output (its storage, any view of it) is waited: what the real Work
+    does, registered under the output (c10d ``Functional.cpp``: ``register_work``, dropped at
+    ``wait_tensor``), where a fake collective holds nothing."""
+    _HELD_UNTIL_WAIT[0] = ops
+    try:
+        yield
+    finally:
+        _HELD_UNTIL_WAIT[0] = frozenset()
+
+
 def _tracker_class():
     """PyTorch's MemTracker, accepting a root module called once per micro-batch.
 
@@ -43,6 +77,7 @@ def _tracker_class():
     from functools import partial
 
     from torch._guards import active_fake_mode
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
     from torch.distributed._tools.mem_tracker import (
         _TOTAL_KEY,
         MemTracker,
@@ -51,7 +86,7 @@ def _tracker_class():
         _UpdateType,
     )
     from torch.distributed.tensor import DTensor
-    from torch.utils._pytree import tree_map_only
+    from torch.utils._pytree import tree_flatten, tree_map_only
 
     _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
     _SCALARS = (int, float, bool)
@@ -65,12 +100,14 @@ def _tracker_class():
         trace_events: list[dict[str, Any]] | None = None
         streams: Callable[[], int] = staticmethod(lambda: DEFAULT_STREAM)
         _block_streams: dict[int, int]  # address → stream of a recorded block not on stream 0
+        _untraced: set[int]  # addresses of live storages made under ``untraced()``
+        _held_inputs: dict[int, list[torch.Tensor]]  # collective output's storage → the inputs held
 
         def start_trace(self, streams: Callable[[], int] | None = None) -> None:
             """Record from here on, starting with every storage tracked now, as allocations."""
             if streams is not None:
                 self.streams = streams
-            self._block_streams = {}
+            self._block_streams, self._untraced = {}, set()
             self.trace_events = [
                 _trace_event("alloc", id(w), w.mem_consumed, DEFAULT_STREAM)
                 for w, _ in self._WINFO.values()
@@ -83,6 +120,12 @@ def _tracker_class():
             if events is None:
                 return
             addr, streams = id(winfo), self._block_streams
+            if _UNTRACED[0] and u_type == _UpdateType.ADD:
+                self._untraced.add(addr)
+            if addr in self._untraced:
+                if u_type == _UpdateType.DEL:
+                    self._untraced.discard(addr)
+                return
             if u_type == _UpdateType.DEL or (u_type == _UpdateType.SIZE and old_mem_consumed):
                 size = winfo.mem_consumed if u_type == _UpdateType.DEL else old_mem_consumed
                 events.append(_trace_event("free_completed", addr, size, streams.pop(addr, DEFAULT_STREAM)))
@@ -143,13 +186,30 @@ def _tracker_class():
         def _post_bw_hook(self, module, args):
             pass  # per-module snapshots only
 
+        def _hold_inputs(self, func, args, res, waited) -> None:
+            held = self.__dict__.setdefault("_held_inputs", {})
+            if waited:
+                held.pop(_storage_key(args[0]), None)
+            elif func._opname in _HELD_UNTIL_WAIT[0] and func.namespace == "_c10d_functional":
+                inputs = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
+                for out in tree_flatten(res)[0]:
+                    if isinstance(out, torch.Tensor):
+                        held[_storage_key(out)] = inputs
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             # MemTracker's, with its ``tree_map_only`` over the result walked directly where the result
             # is a tensor or a flat tuple or list (almost every operator), in the same order.
             if any(t == DTensor for t in types):
                 return NotImplemented
+            if _HELD_UNTIL_WAIT[0] and AsyncCollectiveTensor in types:
+                # The collective's output first used: the subclass waits it and runs the operator on
+                # the plain tensor, both through this mode, which sees the wait (else it happened in
+                # here with this mode off, and the held input was never let go).
+                return NotImplemented
             waited = func is _WAIT_TENSOR and active_fake_mode()  # (MemTracker's meta wait_tensor fix)
             res = args[0] if waited else func(*args, **kwargs or {})
+            if _HELD_UNTIL_WAIT[0]:
+                self._hold_inputs(func, args, res, waited)
             if active_fake_mode() is self._fake_mode_on_entry:
                 if self._in_opt:
                     reftype = _MemRefType.OPT
@@ -171,6 +231,11 @@ def _tracker_class():
             return res
 
     return Tracker
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    """A tensor's storage, the same for every view of it (fake storages have no data pointer)."""
+    return t.untyped_storage()._cdata
 
 
 def _optimizers(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
