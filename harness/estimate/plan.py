@@ -139,6 +139,7 @@ def candidate_groups(base: RunSpec, opts: PlanOptions) -> Iterator[list[RunSpec]
     differ only in ZeRO stage and recomputation — which, within the ranges PlanOptions checks, never
     decide whether a layout is possible, so ``plan`` validates each group once."""
     gbs = opts.global_batch_size or opts.gpus
+    megatron = opts.engine == "megatron"
     t = base.train
     fixed = dict(opts.fixed)
     policy = base.parallel.fsdp_reshard_after_forward
@@ -209,8 +210,8 @@ def candidate_groups(base: RunSpec, opts: PlanOptions) -> Iterator[list[RunSpec]
                                 group += [
                                     RunSpec(base.model, par, train, base.device)
                                     for train in trains
-                                    # (layouts validation refuses as not built: never listed)
-                                    if not ep_unbuilt(ep, dp * cp, zero, train.recompute)
+                                    # (layouts this runner does not build: listed for Megatron's)
+                                    if megatron or not ep_unbuilt(ep, dp * cp, zero, train.recompute)
                                 ]
                             if group:
                                 yield group

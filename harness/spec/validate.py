@@ -115,9 +115,34 @@ def _moe_problems(spec: RunSpec) -> list[str]:
 
 
 def ep_unbuilt(ep: int, shards: int, zero_stage: int, recompute: str) -> bool:
-    """Expert-parallel layouts the runner does not build (``plan`` skips them; :func:`_ep_problems`
-    says why): ZeRO-1, and experts' FSDP2 units of one rank (ep = dp·cp) under op recomputation."""
+    """Expert-parallel layouts this runner does not build (:func:`ep_runner_problems` says why):
+    ZeRO-1, and experts' FSDP2 units of one rank (ep = dp·cp) under op recomputation."""
     return ep > 1 and (zero_stage == 1 or (ep == shards and zero_stage >= 2 and recompute == "op"))
+
+
+def ep_runner_problems(spec: RunSpec) -> list[str]:
+    """Why this runner cannot build an expert-parallel layout (``run`` and ``sweep`` refuse it, real or
+    fake; ``plan`` lists it for the ``megatron`` engine only). Not a fault of the spec: Megatron's
+    distributed optimizer (its ZeRO-1) shards each expert's states over the ranks that hold it, which
+    the ``megatron`` engine judges (``stack=megatron``)."""
+    p = spec.parallel
+    shards = p.dp * p.cp if p.dp is not None else 0
+    if not ep_unbuilt(p.ep, shards, p.zero_stage, spec.train.recompute):
+        return []
+    if p.zero_stage == 1:
+        return [
+            f"parallel.ep={p.ep} with zero_stage 1 is not built by this runner: ZeroRedundancyOptimizer "
+            "partitions over one group, and the experts' states belong to the dp·cp/ep ranks that share "
+            "them (use ZeRO 0, 2 or 3; stack=megatron judges Megatron's distributed optimizer)"
+        ]
+    # Found by running it: FSDP2's path for a one-rank mesh (each rank alone holds its experts)
+    # records profiler ranges inside the checkpointed block that the recomputation does not
+    # replay alike, and torch 2.13's selective checkpoint stops at backward.
+    return [
+        f"parallel.ep={p.ep} = dp·cp with zero_stage {p.zero_stage} and recompute=op is not built by this "
+        "runner: the experts' FSDP2 unit would span one rank, which torch 2.13's op-level recomputation "
+        "does not replay (use ep < dp·cp, ZeRO-0, or another recompute)"
+    ]
 
 
 def _ep_problems(spec: RunSpec) -> list[str]:
@@ -138,24 +163,6 @@ def _ep_problems(spec: RunSpec) -> list[str]:
         out.append(
             f"parallel.ep={p.ep} must divide dp·cp = {p.dp}·{p.cp} = {p.dp * p.cp}: expert-parallel "
             "ranks are data- and context-parallel ranks"
-        )
-    shards = p.dp * p.cp if p.dp is not None else 0
-    if not ep_unbuilt(p.ep, shards, p.zero_stage, spec.train.recompute):
-        return out
-    if p.zero_stage == 1:
-        out.append(
-            f"parallel.ep={p.ep} with zero_stage 1 is not built: ZeroRedundancyOptimizer partitions over "
-            "one group, and the experts' states belong to the dp·cp/ep ranks that share them "
-            "(use ZeRO 0, 2 or 3)"
-        )
-    else:
-        # Found by running it: FSDP2's path for a one-rank mesh (each rank alone holds its experts)
-        # records profiler ranges inside the checkpointed block that the recomputation does not
-        # replay alike, and torch 2.13's selective checkpoint stops at backward.
-        out.append(
-            f"parallel.ep={p.ep} = dp·cp with zero_stage {p.zero_stage} and recompute=op is not built: "
-            "the experts' FSDP2 unit would span one rank, which torch 2.13's op-level recomputation "
-            "does not replay (use ep < dp·cp, ZeRO-0, or another recompute)"
         )
     return out
 

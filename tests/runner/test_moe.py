@@ -14,7 +14,7 @@ from conftest import fast_few, in_fresh_process, spec, stage_peaks
 from harness.estimate import estimate
 from harness.estimate.params import total_params
 from harness.runner.parallel import compose
-from harness.runner.supervisor import run_point
+from harness.runner.supervisor import run_point, runner_problems
 from harness.spec import InvalidSpec, canonical, config_id
 from harness.spec.routing import expert_counts, routing_table
 
@@ -54,15 +54,25 @@ def test_a_moe_spec_is_checked_with_its_arithmetic():
     ep = [
         (dict(parallel_dp=2, parallel_ep=4), "parallel.ep=4 must divide dp·cp = 2·1 = 2"),
         (dict(parallel_dp=6, parallel_ep=3), "parallel.ep=3 must divide model.num_experts 8 (8 % 3 = 2)"),
+    ]
+    for overrides, message in ep:
+        with pytest.raises(InvalidSpec, match=re.escape(message)):
+            spec("tiny_moe", **overrides)
+    # Layouts this runner does not build are valid specs (Megatron's distributed optimizer is ZeRO-1
+    # with expert parallelism): the runner refuses them, real and fake, with the reason, and the torch
+    # engine's estimate says it was never measured.
+    unbuilt = [
         (dict(parallel_dp=2, parallel_ep=2, parallel_zero_stage=1), "with zero_stage 1 is not built"),
         (
             dict(parallel_dp=2, parallel_ep=2, parallel_zero_stage=3, train_recompute="op"),
             "the experts' FSDP2 unit would span one rank",
         ),
     ]
-    for overrides, message in ep:
-        with pytest.raises(InvalidSpec, match=re.escape(message)):
-            spec("tiny_moe", **overrides)
+    for overrides, message in unbuilt:
+        layout = spec("tiny_moe", **overrides)
+        assert any(message in r for r in runner_problems(layout)), runner_problems(layout)
+        assert any(message in n for n in estimate(layout, engine="torch").notes)
+    assert runner_problems(spec("tiny_moe", parallel_dp=2, parallel_ep=2, parallel_zero_stage=2)) == []
     with pytest.raises(InvalidSpec, match=r"parallel.ep=2 needs a mixture of experts"):
         spec("tiny", parallel_dp=2, parallel_ep=2)
     # ep = 1 is every existing run: its config_id is unchanged by the new field.
@@ -313,7 +323,7 @@ def test_the_paper_and_megatron_engines_say_what_they_do_with_experts():
     assert estimate(s, engine="torch").notes == ()
 
 
-@pytest.mark.parametrize("zero", [2, 3])  # (ZeRO-1 with ep is refused: validate.ep_unbuilt)
+@pytest.mark.parametrize("zero", [1, 2, 3])
 def test_the_megatron_engine_shards_expert_states_over_the_ranks_that_hold_the_same_experts(zero):
     # Megatron's distributed optimizer shards an expert's states over the expert-data-parallel group
     # (d·c/ep ranks), a dense weight's over d·c: a rank's shard is the whole stage's parameters / d·c,
@@ -323,7 +333,7 @@ def test_the_megatron_engine_shards_expert_states_over_the_ranks_that_hold_the_s
     base = spec("mixtral_8x7b", "h100_80gb", parallel_dp=8, parallel_zero_stage=zero, train_precision="bf16")
     with_ep = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, ep=8))
     whole = stage_params(base.model, stage=0, pp=1, tp=1)
-    sharded = {2: ("optimizer", "grads"), 3: ("optimizer", "grads", "params")}[zero]
+    sharded = {1: ("optimizer",), 2: ("optimizer", "grads"), 3: ("optimizer", "grads", "params")}[zero]
     per_param = {"params": 2, "grads": 4, "optimizer": 12}
     for s in (base, with_ep):
         terms = estimate(s, engine="megatron").worst.terms
@@ -333,6 +343,20 @@ def test_the_megatron_engine_shards_expert_states_over_the_ranks_that_hold_the_s
     if zero < 3:
         ep_terms = estimate(with_ep, engine="megatron").worst.terms
         assert ep_terms["params"] < estimate(base, engine="megatron").worst.terms["params"]
+
+
+def test_plan_lists_megatrons_expert_parallel_zero_1_and_this_runners_layouts_only_for_the_torch_engine():
+    from harness.estimate.plan import PlanOptions, candidates
+
+    base = spec("mixtral_8x7b", "h100_80gb")
+    layouts = {}
+    for engine in ("torch", "megatron"):
+        opts = PlanOptions(gpus=16, engine=engine)
+        layouts[engine] = {
+            (c.parallel.ep, c.parallel.zero_stage) for c in candidates(base, opts) if c.parallel.ep > 1
+        }
+    assert not any(zero == 1 for _, zero in layouts["torch"])
+    assert {zero for _, zero in layouts["megatron"]} >= {1, 2, 3}
 
 
 def test_a_fake_expert_parallel_run_traces_what_the_real_run_measures():
