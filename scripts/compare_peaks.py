@@ -1,10 +1,13 @@
 """The same points measured twice: measured peaks of two datasets matched by config_id, as ratios
 (first / second), overall and by whether the point has more than one rank. Made to show what the CPU
 instrument's fix (c10's running total counted on every thread, harness/runner/measure) changed:
-the second study's rows as committed before the fix against the same points measured after it.
+the second study's rows as committed before the fix against the same points measured after it. Where
+both have them, the replayed reserved peaks (``sim_peak_reserved_bytes``) are compared the same way,
+and the points whose status differs are counted.
 Run: python scripts/compare_peaks.py OLD.parquet NEW.parquet   (a results_dir works for either)
   e.g. git show 7e971e8:results/cpu_study_v2/dataset.parquet > /tmp/v2_before.parquet
        python scripts/compare_peaks.py /tmp/v2_before.parquet results/cpu_study_v2
+       python scripts/compare_peaks.py results/paper_fake/h100_94gb results/paper_fake/h100_94gb_retrace
 """
 
 from __future__ import annotations
@@ -27,11 +30,19 @@ def main() -> None:
     ap.add_argument("first")
     ap.add_argument("second")
     args = ap.parse_args()
-    cols = ["config_id", "peak_allocated_bytes", "parallel_world_size", "status", "sim_peak_allocated_bytes"]
+    cols = [
+        "config_id",
+        "peak_allocated_bytes",
+        "parallel_world_size",
+        "status",
+        "sim_peak_allocated_bytes",
+        "sim_peak_reserved_bytes",
+    ]
     a, b = (_load(p) for p in (args.first, args.second))
     both = a[[c for c in cols if c in a]].merge(
         b[[c for c in cols if c in b]], on="config_id", suffixes=("_1", "_2")
     )
+    print(f"{len(both)} points in both; status differs on {(both['status_1'] != both['status_2']).sum()}")
     both = both[both["status_1"].isin(["ok", "oom"]) & both["status_2"].isin(["ok", "oom"])]
     both = both[(both["peak_allocated_bytes_1"] > 0) & (both["peak_allocated_bytes_2"] > 0)]
     if both.empty:
@@ -50,6 +61,13 @@ def main() -> None:
             f"  {name:13s} n={len(g):4d}  median {r.median():.4f}  max {r.max():.4f}  min {r.min():.4f}  "
             f"first higher by > 0.5 %: {(r > 1.005).mean():.1%}, by > 2 %: {(r > 1.02).mean():.1%}"
         )
+    if "sim_peak_reserved_bytes_1" in both and "sim_peak_reserved_bytes_2" in both:
+        r = (both["sim_peak_reserved_bytes_1"] / both["sim_peak_reserved_bytes_2"]).dropna()
+        if not r.empty:
+            print(
+                f"  replayed reserved peak, first / second: n={len(r)}  median {r.median():.4f}  max "
+                f"{r.max():.4f}  min {r.min():.4f}  apart by > 1 %: {((r - 1).abs() > 0.01).mean():.1%}"
+            )
     for k in ("1", "2"):
         col = f"sim_peak_allocated_bytes_{k}"
         if col in both:
