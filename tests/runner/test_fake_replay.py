@@ -23,6 +23,14 @@ POINT = (
 )
 
 
+def _traced_ranks(real: dict, fake: dict):
+    """Each traced rank of the fake run beside the same rank of the real run: (fake peak, real peak,
+    fake replayed reserved peak, real replayed reserved peak)."""
+    traced = (fake["fake_traced_ranks"], fake["per_rank_peak_bytes"], fake["per_rank_sim_reserved_bytes"])
+    for rank, peak, reserved in zip(*traced, strict=True):
+        yield peak, real["per_rank_peak_bytes"][rank], reserved, real["per_rank_sim_reserved_bytes"][rank]
+
+
 def _real_and_fake(point, tmp_path) -> tuple[dict, dict]:
     """The records of ``point`` run once real and once fake, each ok."""
     records = []
@@ -76,14 +84,9 @@ TP_SP_PP = (
 def test_fake_trace_of_tp_sp_under_a_pipeline_holds_each_traced_rank_to_the_real_run(tmp_path):
     real, fake = _real_and_fake(TP_SP_PP, tmp_path)
     assert fake["fake_traced_ranks"] == [0, 2]  # one rank of each stage
-    for rank, peak, reserved in zip(
-        fake["fake_traced_ranks"],
-        fake["per_rank_peak_bytes"],
-        fake["per_rank_sim_reserved_bytes"],
-        strict=True,
-    ):
-        assert peak == pytest.approx(real["per_rank_peak_bytes"][rank], rel=0.005)
-        assert reserved == pytest.approx(real["per_rank_sim_reserved_bytes"][rank], rel=0.01)
+    for peak, real_peak, reserved, real_reserved in _traced_ranks(real, fake):
+        assert peak == pytest.approx(real_peak, rel=0.005)
+        assert reserved == pytest.approx(real_reserved, rel=0.01)
 
 
 # The BF16 study's last points outside 1 %, each a segment short in the fake replay, each one mechanism
@@ -114,11 +117,6 @@ TARGETS = (*_BF16, "parallel.pp=2", "train.num_microbatches=4", "train.recompute
 )
 def test_every_traced_rank_replays_the_real_runs_reserved_peak(point, tmp_path):
     real, fake = _real_and_fake(point, tmp_path)
-    for rank, peak, reserved in zip(
-        fake["fake_traced_ranks"],
-        fake["per_rank_peak_bytes"],
-        fake["per_rank_sim_reserved_bytes"],
-        strict=True,
-    ):
-        assert peak == pytest.approx(real["per_rank_peak_bytes"][rank], rel=0.005)
-        assert reserved == real["per_rank_sim_reserved_bytes"][rank], rank
+    for peak, real_peak, reserved, real_reserved in _traced_ranks(real, fake):
+        assert peak == pytest.approx(real_peak, rel=0.005)
+        assert reserved == real_reserved
