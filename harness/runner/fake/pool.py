@@ -4,6 +4,7 @@ first failure that one-at-a-time tracing would have."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import multiprocessing
@@ -17,6 +18,7 @@ from typing import Any
 
 from harness.runner.fake.ranks import _zero1_worst_rank
 from harness.runner.fake.trace import trace_rank
+from harness.runner.procs import Terminated
 from harness.spec import RunSpec, config_id, spec_id
 
 log = logging.getLogger(__name__)
@@ -42,7 +44,7 @@ def _trace_ranks(
     results: dict[int, dict[str, Any]] = {}
     extras: dict[int, int | None] = {}  # traced rank → the ZeRO-1 rank its result names
     running: dict[int, tuple[Any, Path]] = {}
-    with tempfile.TemporaryDirectory(prefix="harness-fake-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="harness-fake-") as tmp, _reaped(running):
         while True:
             order, cut = _sequence(base, extras, results)
             for rank in [r for r in running if order.index(r) >= cut]:
@@ -145,8 +147,9 @@ PRELOAD = (
 def _trace_in_child(spec: RunSpec, rank: int, *, deadline: float, kernels: str | None) -> dict[str, Any]:
     """``trace_rank`` in a forked process (a fake process group is per process, and the parent's
     memory stays clean); its result, an error, or ``timed_out``."""
-    with tempfile.TemporaryDirectory(prefix="harness-fake-") as tmp:
-        running = {rank: _start_child(spec, rank, Path(tmp) / "rank.json", kernels)}
+    running: dict[int, tuple[Any, Path]] = {}
+    with tempfile.TemporaryDirectory(prefix="harness-fake-") as tmp, _reaped(running):
+        running[rank] = _start_child(spec, rank, Path(tmp) / "rank.json", kernels)
         while running:
             ended = _wait_any(running, deadline)
         return ended[rank]
@@ -162,7 +165,7 @@ def _start_child(
     keep_events: bool = False,
 ) -> tuple[Any, Path]:
     ctx = multiprocessing.get_context("fork")
-    args = (spec, rank, out, kernels, trace_dir, keep_events)
+    args = (spec, rank, out, kernels, trace_dir, keep_events, os.getpid())
     proc = ctx.Process(target=_child, args=args, daemon=True)
     proc.start()
     return proc, out
@@ -194,6 +197,7 @@ def _wait_any(running: dict[int, tuple[Any, Path]], deadline: float) -> dict[int
             why = f"killed by signal {signal.Signals(sig).name}" if sig else f"exit code {proc.exitcode}"
             result = {"rank": rank, "error": f"the tracing process died ({why})"}
         result["exit_code"] = proc.exitcode
+        _stopped(rank, result, proc.exitcode)
         out[rank] = result
     return out
 
@@ -203,6 +207,34 @@ def _kill(proc) -> None:
     proc.join(10)
 
 
+@contextlib.contextmanager
+def _reaped(running: dict[int, tuple[Any, Path]]):
+    """Kill the tracing processes still ``running`` when the block ends, however it ends: a SIGTERM
+    (``Terminated``) or Ctrl-C in the parent left them tracing on, and writing into a removed directory,
+    after the command had said it stopped."""
+    try:
+        yield
+    finally:
+        for proc, _ in running.values():
+            if proc.exitcode is None:
+                _kill(proc)
+        running.clear()
+
+
+def _stopped(rank: int, result: dict[str, Any], exitcode: int | None) -> None:
+    """Raise what stopped a tracing process from outside: SIGTERM (its ``Terminated``, or death by the
+    signal) or Ctrl-C. Such a rank has no outcome, so neither has the point: no row (a resumed sweep
+    traces it again), as a real rank's SIGTERM (outcome.py). Recorded as the rank's error before, it
+    became a ``crash`` row and the sweep went on to its next point."""
+    why = result.get("stopped") or {-signal.SIGTERM: "Terminated", -signal.SIGINT: "KeyboardInterrupt"}.get(
+        exitcode
+    )
+    if why == "KeyboardInterrupt":
+        raise KeyboardInterrupt
+    if why == "Terminated":
+        raise Terminated(f"SIGTERM reached traced rank {rank}: the point has no outcome")
+
+
 def _child(
     spec: RunSpec,
     rank: int,
@@ -210,13 +242,17 @@ def _child(
     kernels: str | None,
     trace_dir: Path | None = None,
     keep_events: bool = False,
+    parent_pid: int | None = None,
 ) -> None:
     """Trace ``rank`` and write its result to ``out``. ``keep_events``: the step's allocation events as
-    ``events`` (for the trace cache, which replays them against another card's capacity)."""
+    ``events`` (for the trace cache, which replays them against another card's capacity). Dies with
+    ``parent_pid`` (``kill -9`` of a fake sweep left its tracing processes running)."""
     import resource
 
-    from harness.runner.procs import write_json, write_trace_file
+    from harness.runner.procs import die_with_parent, write_json, write_trace_file
 
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
     try:
         start = time.perf_counter()
         keep = trace_dir is not None or keep_events
@@ -232,6 +268,8 @@ def _child(
         # CPU seconds too: on a shared machine the wall time says more about the other processes.
         result["trace_cpu_s"] = usage.ru_utime + usage.ru_stime
         result["host_rss_bytes"] = usage.ru_maxrss * 1024
+    except (Terminated, KeyboardInterrupt) as exc:  # stopped from outside: no outcome (_stopped)
+        result = {"rank": rank, "stopped": type(exc).__name__}
     except BaseException as exc:  # written as data: the parent turns it into the record's reason
         lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
         result = {
