@@ -23,6 +23,7 @@ RESERVED_TERMS = (
     "segment_rounding",
     "reduce_stream",
     "fsdp_root",
+    "loss_logits",
     "optimizer_step_segments",
     "cublas_workspace",
 )

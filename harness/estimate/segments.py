@@ -302,27 +302,72 @@ def _place(blocks: Counts, requests: Counts) -> int:
 FB_TERMS = ("activations", *CACHED_BUFFERS, "param_copies", "grad_reduce")
 
 
-def fsdp_root_segments(spec: RunSpec, stage: int) -> int:
-    """FSDP2 resharding after forward (ZeRO-3, ``parallel.fsdp_reshard_after_forward=always``, d·c > 1),
-    the last stage, whose peak is at the loss: the root unit (the embedding where the stage holds it,
-    the final norm and the head) is gathered for the forward's first and last operations and for the
-    head's backward, and reduce-scattered at the end of backward, and at the loss's peak none of its
-    blocks is alive, nor any other tensor of their sizes. Three kinds of block stay cached and free:
-    the all-gather's output, one flat buffer in the compute dtype on the all-gather stream (whose blocks
-    the compute stream cannot take), the parameters copied out of it (one block per vocabulary matrix)
-    and the reduce-scatter's FP32 input, one flat buffer of the unsharded gradients. Traced (Llama-3-8B,
-    dp 8, s 8192, one rank's step replayed): segments of 2,006 MiB on stream 1, 2 × 1,002 MiB and
-    4,008 MiB on stream 0, all free at the reserved peak, which the engine read 10 % under without
-    them (2.8 % with). Not traced: torchtitan's policy (``default``, the head's unit kept unsharded
-    from forward to backward) and ZeRO-2: 0 there."""
+def _block(n: int) -> int:
+    """The segment a large-pool block of ``n`` bytes takes alone (``get_allocation_size``); 0 for a
+    small-pool request."""
+    if n <= KSMALL_SIZE:
+        return 0
+    return _segment(n) if n >= KMIN_LARGE_ALLOC else KLARGE_BUFFER
+
+
+def loss_logits_segment(spec: RunSpec, stage: int) -> int:
+    """The head's logits in the compute dtype, BF16 without a pipeline: the loss upcasts them to FP32
+    and they are freed before the loss's backward, whose peak allocates FP32 logit-sized buffers twice
+    their size. Their block stays cached and free at that peak, and nothing alive is of its size.
+    Traced (Llama-3-8B dp 8 ZeRO-3, s 8192, BF16, one rank's step replayed): a free 2,004 MiB segment
+    at micro-batch 1 and 4,008 MiB at 2, under both FSDP2 policies. Under a pipeline the schedule keeps
+    the head's outputs (``activations.logits``); in FP32 the upcast is the logits themselves, whose
+    block the FP32 gradients reuse: 0 there."""
     m, p, t = spec.model, spec.parallel, spec.train
-    if p.zero_stage != 3 or p.dp * p.cp == 1 or p.fsdp_reshard_after_forward != "always" or stage != p.pp - 1:
+    if stage != p.pp - 1 or p.pp > 1 or elem_bytes(t.precision) >= 4:
+        return 0
+    return _block(elem_bytes(t.precision) * t.seq_len * t.micro_batch_size * m.vocab_size // (p.tp * p.cp))
+
+
+def fsdp_root_segments(spec: RunSpec, stage: int) -> int:
+    """FSDP2 (ZeRO-3, d·c > 1), the last stage, whose peak is at the loss: the blocks of the units
+    outside the layers (embedding, final norm, head) that are cached and free at that peak, and the
+    segment their FP32 reduce-scatter input opens after it.
+
+    - ``parallel.fsdp_reshard_after_forward=always``: one root unit, gathered for the forward's first
+      and last operations and resharded: its all-gather output (one flat buffer in the compute dtype
+      on the all-gather stream, whose blocks the compute stream cannot take) and the vocabulary
+      matrices copied out of it (one block each) are free.
+    - ``default`` (torchtitan's; no pipeline): the embedding a unit of its own, resharded after forward,
+      and the final norm and head a unit kept unsharded to its backward (tied, the embedding is in it):
+      both all-gather outputs on the all-gather stream (the head's, a norm larger, does not fit the
+      embedding's segment when that is exactly a vocabulary matrix) and the embedding's copied-out
+      matrix are free; the head's copy is alive (``buffers.kept_head``).
+    - The FP32 reduce-scatter input of the root (``always``) or head (``default``) unit comes at the end
+      of backward, when the loss's FP32 logit-sized blocks (4·s·b·v/(t·c)) are cached and free: a
+      segment of its own only when it is larger than those.
+
+    Traced (Llama-3-8B, dp 8, s 8192, BF16, one rank's step replayed): ``always`` at micro-batch 1,
+    2,006 MiB on stream 1, 2 × 1,002 MiB free at the loss and 4,010 MiB opened at the end of backward
+    (the loss's 4,008 MiB blocks too small); at micro-batch 2 the same without the last (8,016 MiB
+    blocks); ``default`` at micro-batch 2, 1,002 and 1,004 MiB on stream 1 and 1,002 MiB on stream 0.
+    Beside them the loss's own cached block (:func:`loss_logits_segment`)."""
+    m, p, t = spec.model, spec.parallel, spec.train
+    if p.zero_stage != 3 or p.dp * p.cp == 1 or stage != p.pp - 1:
         return 0
     e = elem_bytes(t.precision)
-    root = non_layer_params(m, stage=stage, pp=p.pp, tp=p.tp)
-    matrices = (stage == 0) + (not (m.tie_embeddings and p.pp == 1))
-    blocks = [e * root, 4 * root] + [e * (m.vocab_size * m.hidden_size // p.tp)] * matrices
-    return sum(_segment(n) if n >= KMIN_LARGE_ALLOC else KLARGE_BUFFER for n in blocks if n > KSMALL_SIZE)
+    vocab = m.vocab_size * m.hidden_size // p.tp
+    if p.fsdp_reshard_after_forward == "always":
+        root = non_layer_params(m, stage=stage, pp=p.pp, tp=p.tp)
+        matrices = (stage == 0) + (not (m.tie_embeddings and p.pp == 1))
+        gathered, copies, reduced = [e * root], [e * vocab] * matrices, 4 * root
+    elif p.fsdp_reshard_after_forward == "default" and p.pp == 1:
+        head = kept_head(m, p)
+        embedding = [] if m.tie_embeddings else [e * vocab]
+        gathered = [*embedding, e * head]
+        if embedding and _block(e * head) <= _block(e * vocab):
+            gathered = embedding  # the head's all-gather output fits the embedding's freed block
+        copies, reduced = embedding, 4 * head
+    else:
+        return 0
+    loss_blocks = 4 * t.seq_len * t.micro_batch_size * m.vocab_size // (p.tp * p.cp)
+    after = _block(reduced) if reduced > loss_blocks else 0
+    return sum(_block(n) for n in gathered + copies) + after
 
 
 def segment_terms(spec: RunSpec, stage: int, terms: dict[str, int]) -> dict[str, int]:
@@ -330,31 +375,39 @@ def segment_terms(spec: RunSpec, stage: int, terms: dict[str, int]) -> dict[str,
     reserved level they make is
 
         max(allocated peak, states + forward/backward terms + reduce stream + FSDP2's root
-            + step's new segments)
+            + the loss's logits + step's new segments)
 
     the cache the forward/backward peak leaves on the compute stream, the gradient-reduction stream's
     segments (:func:`reduce_stream_segments`), the root unit's cached blocks under FSDP2
-    (:func:`fsdp_root_segments`) and the segments the optimizer step's temporaries open beyond that
-    cache (:func:`cached_blocks`, :func:`step_temporaries`); added to the allocated peak as
-    ``reduce_stream`` first, then ``fsdp_root``, the rest as ``optimizer_step_segments``, so that
-    they sum to the difference."""
+    (:func:`fsdp_root_segments`), the loss's cached compute-dtype logits (:func:`loss_logits_segment`)
+    and the segments the optimizer step's temporaries open beyond that cache (:func:`cached_blocks`,
+    :func:`step_temporaries`); added to the allocated peak as ``reduce_stream`` first, then
+    ``fsdp_root``, ``loss_logits``, the rest as ``optimizer_step_segments``, so that they sum to the
+    difference."""
     fb = sum(terms.get(k, 0) for k in FB_TERMS)
     step = terms.get("optimizer_step", 0) + terms.get("step_grads", 0)
     reduce = reduce_stream_segments(spec, stage)
     root = fsdp_root_segments(spec, stage)
+    logits = loss_logits_segment(spec, stage)
     opened = 0
     if terms.get("optimizer_step", 0):  # 0 for megatron's fused Adam, which allocates none
         opened = _place(cached_blocks(spec, stage, terms), step_temporaries(spec, stage))
-    extra = max(0, fb + reduce + root + opened - max(fb, step))
-    first = min(reduce, extra)
-    second = min(root, extra - first)
-    return {"reduce_stream": first, "fsdp_root": second, "optimizer_step_segments": extra - first - second}
+    extra = max(0, fb + reduce + root + logits + opened - max(fb, step))
+    out = {}
+    for name, value in (("reduce_stream", reduce), ("fsdp_root", root), ("loss_logits", logits)):
+        out[name] = min(value, extra)
+        extra -= out[name]
+    return {**out, "optimizer_step_segments": extra}
 
 
 def segment_terms_bound(spec: RunSpec, stage: int, terms: dict[str, int]) -> int:
     """An upper bound of the sum of :func:`segment_terms`: the reduce stream's and FSDP2's root segments
     plus a segment of its own for every temporary of the optimizer step (at most 20 MiB above it)."""
-    fixed = reduce_stream_segments(spec, stage) + fsdp_root_segments(spec, stage)
+    fixed = (
+        reduce_stream_segments(spec, stage)
+        + fsdp_root_segments(spec, stage)
+        + loss_logits_segment(spec, stage)
+    )
     if not terms.get("optimizer_step", 0):
         return fixed
     # (from the temporaries, not the optimizer_step term: ZeRO-1 rounds its share up by whole tensors)

@@ -8,7 +8,13 @@ from conftest import spec
 
 from harness.estimate import estimate
 from harness.estimate.levels import reserved_terms, reserved_upper_bound
-from harness.estimate.segments import _place, fsdp_root_segments, reduce_stream_segments, segment_terms
+from harness.estimate.segments import (
+    _place,
+    fsdp_root_segments,
+    loss_logits_segment,
+    reduce_stream_segments,
+    segment_terms,
+)
 
 MiB = 1 << 20
 BF16_PP = {
@@ -64,15 +70,60 @@ def test_fsdp2_leaves_the_root_units_blocks_cached_at_the_loss():
     assert est.reserved_terms()["fsdp_root"] == fsdp_root_segments(s, 0)
     # the replayed reserved peak of that trace: 109.08 GiB; the engine's level within 3 % under it
     assert 0.97 * 109.08 * 2**30 < est.reserved_total_bytes < 109.08 * 2**30
-    # not where the peak holds the root, or nothing is sharded, or the policy was not traced
-    for other in (
-        {"parallel_dp": 1},
-        {"parallel_fsdp_reshard_after_forward": "default"},
-        {"parallel_zero_stage": 1},
-    ):
+    # not where the peak holds the root, or nothing is sharded
+    for other in ({"parallel_dp": 1}, {"parallel_zero_stage": 1}):
         assert fsdp_root_segments(spec("llama3_8b", "h100_80gb", **{**_SPEC_8B_Z3, **other}), 0) == 0
     piped = spec("llama3_8b", "h100_80gb", **{**_SPEC_8B_Z3, "parallel_pp": 2, "parallel_dp": 4})
     assert fsdp_root_segments(piped, 0) == 0 and fsdp_root_segments(piped, 1) > 0
+
+
+# Traced (run.mode=fake, rank 0's step replayed) for issue 32: Llama-3-8B dp 8 ZeRO-3, s 8192, BF16,
+# one micro-batch of 2, on the paper's H100 (torchtitan's published run of this layout reserved 82.4 GiB).
+# (policy, recompute): (the root's cached blocks and opened segment in MiB, the loss's cached logits in
+# MiB, the replayed reserved peak in GiB)
+_TRACED_MB2 = {
+    # all-gather outputs of the embedding (1,002) and of the head with the norm (1,004, too large for
+    # the embedding's segment) on stream 1, the embedding's copy on stream 0; the head's copy is alive
+    ("default", "op"): (1002 + 1004 + 1002, 4008, 81.79),
+    # the root's all-gather output and its two copies; its 4,010 MiB reduce-scatter input is served by
+    # the loss's cached 8,016 MiB blocks at the end of backward
+    ("always", "op"): (2006 + 2 * 1002, 4008, 81.91),
+}
+
+
+def test_the_root_units_and_the_losss_cached_blocks_under_both_fsdp2_policies():
+    for (policy, recompute), (root_mib, logits_mib, replayed_gib) in _TRACED_MB2.items():
+        s = spec(
+            "llama3_8b",
+            "h100_94gb",
+            parallel_dp=8,
+            parallel_zero_stage=3,
+            parallel_fsdp_reshard_after_forward=policy,
+            train_recompute=recompute,
+            train_seq_len=8192,
+            train_micro_batch_size=2,
+            train_precision="bf16",
+        )
+        assert fsdp_root_segments(s, 0) == root_mib * MiB, policy
+        assert loss_logits_segment(s, 0) == logits_mib * MiB, policy
+        terms = estimate(s).reserved_terms()
+        assert (terms["fsdp_root"], terms["loss_logits"]) == (root_mib * MiB, logits_mib * MiB)
+        # what is left between the engine and the replay: the last layer's freed forward blocks and the
+        # all-gather stream's layer buffers (docs/gpu-memory.md)
+        assert 0.94 * replayed_gib * 2**30 < estimate(s).reserved_total_bytes < replayed_gib * 2**30, policy
+
+
+def test_the_losss_cached_logits_only_in_a_compute_dtype_narrower_than_its_fp32_buffers():
+    base = {"train_seq_len": 8192, "train_micro_batch_size": 1, "parallel_dp": 8, "parallel_zero_stage": 1}
+    # any data parallelism: the block is the loss's, not FSDP2's (2 B x 8192 x 128,256 = 2,004 MiB)
+    assert (
+        loss_logits_segment(spec("llama3_8b", "h100_80gb", train_precision="bf16", **base), 0) == 2004 * MiB
+    )
+    assert loss_logits_segment(spec("llama3_8b", "h100_80gb", train_precision="fp32", **base), 0) == 0
+    piped = spec(
+        "llama3_8b", "h100_80gb", train_precision="bf16", **{**base, "parallel_pp": 2, "parallel_dp": 4}
+    )
+    assert loss_logits_segment(piped, 0) == loss_logits_segment(piped, 1) == 0
 
 
 _SPEC_8B_Z3 = {

@@ -12,6 +12,7 @@ MAX_STAGE_COLUMNS = 6
 SEGMENT_LABELS = (
     ("reduce_stream", "gradient-reduction stream"),
     ("fsdp_root", "FSDP2 root unit's cached blocks"),
+    ("loss_logits", "the loss's cached logits"),
     ("optimizer_step_segments", "optimizer step's new segments"),
 )
 
