@@ -342,10 +342,15 @@ def fsdp_root_segments(spec: RunSpec, stage: int) -> int:
       of backward, when the loss's FP32 logit-sized blocks (4·s·b·v/(t·c)) are cached and free: a
       segment of its own only when it is larger than those.
 
+    - Also cached on the all-gather stream at the loss: the largest of those units' all-gather input (its
+      shard, copied into a flat buffer) and the last layer's all-gather output.
+
     Traced (Llama-3-8B, dp 8, s 8192, BF16, one rank's step replayed): ``always`` at micro-batch 1,
     2,006 MiB on stream 1, 2 × 1,002 MiB free at the loss and 4,010 MiB opened at the end of backward
     (the loss's 4,008 MiB blocks too small); at micro-batch 2 the same without the last (8,016 MiB
-    blocks); ``default`` at micro-batch 2, 1,002 and 1,004 MiB on stream 1 and 1,002 MiB on stream 0.
+    blocks); ``default`` at micro-batch 2, 1,002 and 1,004 MiB on stream 1 and 1,002 MiB on stream 0;
+    on stream 1 besides, a layer's 418 MiB all-gather output and the root's 252 MiB (``always``) or the
+    head's 126 MiB (``default``) all-gather input, all free at the loss.
     Beside them the loss's own cached block (:func:`loss_logits_segment`)."""
     m, p, t = spec.model, spec.parallel, spec.train
     if p.zero_stage != 3 or p.dp * p.cp == 1 or stage != p.pp - 1:
@@ -365,9 +370,16 @@ def fsdp_root_segments(spec: RunSpec, stage: int) -> int:
         copies, reduced = embedding, 4 * head
     else:
         return 0
+    # on the all-gather stream beside them: the largest unit's all-gather input (its shard, copied into
+    # a flat buffer), and the last layer's all-gather output (its experts' too under expert parallelism)
+    units = gathered if p.fsdp_reshard_after_forward == "always" else [e * kept_head(m, p)]
+    layers = m.num_layers // p.pp
+    experts = expert_params(m, stage=stage, pp=p.pp, ep=p.ep) // layers if p.ep > 1 else 0
+    layer = [e * (layer_params(m, tp=p.tp, ep=p.ep) - experts)] + ([e * experts] if experts else [])
+    stream = [max(units) // (p.dp * p.cp), *layer]
     loss_blocks = 4 * t.seq_len * t.micro_batch_size * m.vocab_size // (p.tp * p.cp)
     after = _block(reduced) if reduced > loss_blocks else 0
-    return sum(_block(n) for n in gathered + copies) + after
+    return sum(_block(n) for n in gathered + copies + stream) + after
 
 
 def segment_terms(spec: RunSpec, stage: int, terms: dict[str, int]) -> dict[str, int]:
