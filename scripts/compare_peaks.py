@@ -7,7 +7,8 @@ and the points whose status differs are counted.
 Run: python scripts/compare_peaks.py OLD.parquet NEW.parquet   (a results_dir works for either)
   e.g. git show 7e971e8:results/cpu_study_v2/dataset.parquet > /tmp/v2_before.parquet
        python scripts/compare_peaks.py /tmp/v2_before.parquet results/cpu_study_v2
-       python scripts/compare_peaks.py results/paper_fake/h100_94gb results/paper_fake/h100_94gb_retrace
+       git show dcb52cc:results/paper_fake/h100_94gb/dataset.parquet > /tmp/h100_before.parquet
+       python scripts/compare_peaks.py /tmp/h100_before.parquet results/paper_fake/h100_94gb   # the re-trace
 """
 
 from __future__ import annotations
