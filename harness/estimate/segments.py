@@ -341,7 +341,6 @@ def fsdp_root_segments(spec: RunSpec, stage: int) -> int:
     - The FP32 reduce-scatter input of the root (``always``) or head (``default``) unit comes at the end
       of backward, when the loss's FP32 logit-sized blocks (4·s·b·v/(t·c)) are cached and free: a
       segment of its own only when it is larger than those.
-
     - Also cached on the all-gather stream at the loss: the largest of those units' all-gather input (its
       shard, copied into a flat buffer) and the last layer's all-gather output.
 
