@@ -131,6 +131,12 @@ def test_higher_zero_stage_never_costs_memory(spec):
     # torch in FP32 only for megatron: FSDP2 without resharding keeps FP32 unsharded weights beside
     # the shards, so its "ZeRO-2" is no smaller than DDP + sharded optimizer at d·c = 2 (pinned below).
     engines = ENGINES if spec.train.precision == "bf16" else ("megatron",)
+    # torch from ZeRO-1 to ZeRO-2 under a pipeline: the schedule turns gradient sync off until the last
+    # backward, so FSDP2 holds every unsharded FP32 gradient (and, under tp, the embedding's whole one)
+    # to the end, more than ZeRO-1's; found by the deep profile (Llama-2-7B tp 8 x pp 4 x cp 2, s 256:
+    # 3.51 against 3.18 GB).
+    if p.pp > 1 and p.zero_stage == 1:
+        engines = ("megatron",)
     assert_not_more(spec, grown(spec, zero_stage=spec.parallel.zero_stage + 1), engines=engines)
 
 
