@@ -17,11 +17,14 @@ from harness.runner.supervisor import run_point
 from harness.spec import InvalidSpec, canonical, config_id
 
 
-@pytest.mark.parametrize(("zero", "rel"), [(0, 0.01), (3, 0.03)])
+@pytest.mark.parametrize(("zero", "rel"), [(0, 0.01), (3, 0.04)])
 def test_every_microbatch_holds_no_accumulated_copy_as_the_engine_says(zero, rel):
     # small, FP32, dp 2, 3 micro-batches. Measured on this machine (MiB, real / engine): ZeRO-0 last
     # 255.6 / 255.0, every 217.4 / 216.8 (DDP's buckets only, no no_sync copy beside them); ZeRO-3
     # last 176.2 / 175.6, every 159.9 / 156.5 (the FP32 shard accumulates, no unsharded gradients).
+    # ZeRO-3's every varies between runs with the timing of gloo's asynchronous reduce-scatters:
+    # 157.1 MiB on six runs in a row (2026-12-06), 162.7 on one CI run (engine 157.0), hence 4 %; the
+    # accumulated copy it must not hold is 19 MiB more (last's 175.6).
     s = spec(
         "small",
         train_precision="fp32",
@@ -39,6 +42,7 @@ def test_every_microbatch_holds_no_accumulated_copy_as_the_engine_says(zero, rel
         )
     )
     assert estimate(s).total_bytes < last.total_bytes
+    assert real["peak_allocated_bytes"] < last.total_bytes  # no accumulated copy, whatever the timing
 
 
 def test_grad_sync_is_validated_and_canonical():
