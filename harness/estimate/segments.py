@@ -62,6 +62,14 @@ def _segment(size: int) -> int:
     return -(-size // KROUND_LARGE) * KROUND_LARGE
 
 
+def _block(n: int) -> int:
+    """The segment a large-pool block of ``n`` bytes takes alone (``get_allocation_size``); 0 for a
+    small-pool request."""
+    if n <= KSMALL_SIZE:
+        return 0
+    return _segment(n) if n >= KMIN_LARGE_ALLOC else KLARGE_BUFFER
+
+
 def layer_tensors(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast: bool = False) -> tuple[int, ...]:
     """The sizes (bytes) of the tensors one layer keeps for backward per micro-batch on one rank under
     the ``torch`` engine on a GPU (activations.py's list): two norm inputs and the Q and attention
@@ -149,9 +157,7 @@ def reduce_stream_segments(spec: RunSpec, stage: int) -> int:
     m, p = spec.model, spec.parallel
     head = kept_head(m, p) if stage == p.pp - 1 else 0
     units = _reduce_units(m, p.tp, p.pp, stage, p.dp * p.cp, p.zero_stage, head, p.ep)
-    return sum(
-        c * (_segment(n) if n >= KMIN_LARGE_ALLOC else KLARGE_BUFFER) for n, c in units if n > KSMALL_SIZE
-    )
+    return sum(c * _block(n) for n, c in units)
 
 
 Counts = tuple[tuple[int, int], ...]  # (size in bytes, how many), sizes ascending
@@ -290,7 +296,7 @@ def _place(blocks: Counts, requests: Counts) -> int:
                 n = min(count, free[block])
                 free[block] -= n
             else:
-                block = _segment(size) if size >= KMIN_LARGE_ALLOC else KLARGE_BUFFER
+                block = _block(size)  # (size > 1 MiB: small requests were skipped)
                 n = 1 if block - size >= size else count  # a 20 MiB segment's remainder takes the next
                 opened += block * n
             count -= n
@@ -300,14 +306,6 @@ def _place(blocks: Counts, requests: Counts) -> int:
 
 
 FB_TERMS = ("activations", *CACHED_BUFFERS, "param_copies", "grad_reduce")
-
-
-def _block(n: int) -> int:
-    """The segment a large-pool block of ``n`` bytes takes alone (``get_allocation_size``); 0 for a
-    small-pool request."""
-    if n <= KSMALL_SIZE:
-        return 0
-    return _segment(n) if n >= KMIN_LARGE_ALLOC else KLARGE_BUFFER
 
 
 def loss_logits_segment(spec: RunSpec, stage: int) -> int:
@@ -360,18 +358,18 @@ def fsdp_root_segments(spec: RunSpec, stage: int) -> int:
         root = non_layer_params(m, stage=stage, pp=p.pp, tp=p.tp)
         matrices = (stage == 0) + (not (m.tie_embeddings and p.pp == 1))
         gathered, copies, reduced = [e * root], [e * vocab] * matrices, 4 * root
+        units = gathered
     elif p.fsdp_reshard_after_forward == "default" and p.pp == 1:
         head = kept_head(m, p)
         embedding = [] if m.tie_embeddings else [e * vocab]
         gathered = [*embedding, e * head]
         if embedding and _block(e * head) <= _block(e * vocab):
             gathered = embedding  # the head's all-gather output fits the embedding's freed block
-        copies, reduced = embedding, 4 * head
+        copies, reduced, units = embedding, 4 * head, [e * head]
     else:
         return 0
     # on the all-gather stream beside them: the largest unit's all-gather input (its shard, copied into
     # a flat buffer), and the last layer's all-gather output (its experts' too under expert parallelism)
-    units = gathered if p.fsdp_reshard_after_forward == "always" else [e * kept_head(m, p)]
     layers = m.num_layers // p.pp
     experts = expert_params(m, stage=stage, pp=p.pp, ep=p.ep) // layers if p.ep > 1 else 0
     layer = [e * (layer_params(m, tp=p.tp, ep=p.ep) - experts)] + ([e * experts] if experts else [])
