@@ -7,7 +7,7 @@ a fit reads "coefficient × named term". Sizes are per rank; see each docstring 
 from __future__ import annotations
 
 from harness.estimate import activations as act
-from harness.estimate.dtypes import elem_bytes
+from harness.estimate.dtypes import elem_bytes, torch_autocast
 from harness.estimate.params import layer_params, non_layer_params, stage_params
 from harness.spec import ModelSpec, ParallelSpec, TrainSpec
 
@@ -183,6 +183,82 @@ def loss(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, stage: int, engine: str
         # in the fused single-rank loss).
         return 3 * sbv4 // (p.tp * p.cp)
     return 2 * sbv4 // (p.tp * p.cp)
+
+
+def chunked_loss(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> tuple[int, int]:
+    """(logits, loss) under ``train.loss_chunks`` = N > 1 (torchtitan's ``ChunkedLossWrapper``,
+    ``runner/parallel/loss.py``) in place of :func:`harness.estimate.activations.logits` and
+    :func:`loss`: the head and the loss run on 1/N of the rank's tokens at a time, each slice's
+    backward at once, so the loss's chain exists for one slice of one micro-batch:
+
+    - ``logits``: the slice's logits in the compute dtype, which the loop's variable keeps through
+      the slice's backward (torchtitan's as this runner's), and the FP32 gradient of their upcast;
+    - ``loss``: the slice's FP32 log-softmax and its gradient (8 B per logit; 12 under loss
+      parallelism), and :func:`chunked_loss_hidden_grad`.
+
+    Logits are vocabulary-sharded t·c ways (torchtitan's loss parallelism; this runner does not run
+    the chunked loss under tp). What the head's gradient adds: :func:`chunked_loss_head`. Traced:
+    ``python scripts/loss_chunks_traces.py`` (docs/stacks.md)."""
+    n, e = t.loss_chunks, elem_bytes(t.precision)
+    sbv = t.seq_len * t.micro_batch_size * m.vocab_size // (p.tp * p.cp)
+    slice_logits = (4 + e) * sbv // n
+    slice_loss = (12 if (p.tp > 1 and p.pp == 1) else 8) * sbv // n
+    return slice_logits, slice_loss + chunked_loss_hidden_grad(m, p, t)
+
+
+def chunked_loss_hidden_grad(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
+    """The chunked loss's gradient of the micro-batch's hidden states, which the slices fill: FP32,
+    4·(s·b/c)·h (torchtitan's ``GradAccumulator``: whole on the tensor-parallel ranks). Under GPipe
+    each other micro-batch's, kept for its backward: FP32 under autocast (the hidden states are: the
+    residual stream and the norm's output), in the compute dtype under FSDP2's or replicate's BF16
+    parameters (its hidden states are ``output_activations``)."""
+    tokens_h = t.seq_len * t.micro_batch_size // p.cp * m.hidden_size
+    others = t.num_microbatches - 1 if (p.pp > 1 and p.pp_schedule == "gpipe") else 0
+    e = 4 if torch_autocast(p, t) else elem_bytes(t.precision)
+    return 4 * tokens_h + others * e * tokens_h
+
+
+def chunked_loss_head(m: ModelSpec, p: ParallelSpec, t: TrainSpec, grads: str, chain: int) -> int:
+    """What the chunked loss holds beyond its slice's chain (``chain``: :func:`chunked_loss`'s logits
+    and loss less the hidden states' gradient), counted in ``loss``: the head's gradient, which the
+    slices make before the blocks' backward, and its reduction at the last slice. Traced
+    (``run.mode=fake``, Llama-3-8B cut to 2 layers, s 8192, BF16, 8 slices; each peak read from the
+    trace's allocations tagged with their module and operator):
+
+    - the head's FP32 gradient v·h/t where nothing counts it yet (``grads`` none: one micro-batch,
+      or kept shards under ``every_microbatch``): the slices' gradients accumulate in one unsharded
+      FP32 copy;
+    - under FSDP2 (ZeRO-2/3, d·c > 1), the head unit's reduce-scatter at the last slice: its FP32
+      input (padded), its output shard and the last slice's logits, still alive; where the engine
+      counts the stage's gradients unsharded (``grads`` accumulated), also the shard earlier
+      micro-batches' last slices made (the loss reduce-scatters the head every micro-batch, as
+      torchtitan's does); under a pipeline from the third micro-batch on, the previous
+      micro-batch's reduce-scatter input, which FSDP2 keeps until its next reduce-scatter (traced at
+      4 micro-batches, freed at once after the first);
+    - under ``replicate`` (a pipeline's ZeRO-0/1 over d·c > 1) with BF16 parameters, the slices'
+      BF16 gradient, kept beside the FP32 copy until the stage's backward ends;
+    - under autocast (no FSDP2 or replicate), the moment a slice's weight gradient is added to the
+      head's: its BF16 gradient, its FP32 upcast, and the last slice's logits.
+    """
+    vocab = m.vocab_size * m.hidden_size // p.tp
+    shards = p.dp * p.cp
+    fsdp = p.zero_stage >= 2 and shards > 1
+    acc = 4 * vocab if grads == "none" or (fsdp and grads == "kept") else 0
+    e = elem_bytes(t.precision)
+    logits = e * t.seq_len * t.micro_batch_size * m.vocab_size // (p.tp * p.cp) // t.loss_chunks
+    if not fsdp:
+        if p.pp > 1 and shards > 1 and t.precision == "bf16":  # replicate
+            return acc + 2 * vocab
+        if torch_autocast(p, t):
+            # the head's FP32 weight cast to BF16: a slice's BF16 weight gradient and its FP32 upcast
+            # beside the gradient it is added to (traced: GPipe, pp 2, the peak at that upcast)
+            return acc + max(chain, 4 * vocab + 2 * vocab + logits) - chain
+        return acc
+    padded = -(-vocab // shards) * shards
+    earlier = 4 * padded // shards if grads == "accumulated" and t.num_microbatches > 1 else 0
+    held = 4 * padded if p.pp > 1 and t.num_microbatches >= 3 else 0
+    reduce = 4 * padded + 4 * padded // shards + logits
+    return acc + earlier + max(chain + held, reduce) - chain
 
 
 def forward_end_loss_chain(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> tuple[int, int]:

@@ -31,7 +31,7 @@ from harness.estimate.terms import (
     StageEstimate,
 )
 from harness.spec import RunSpec, canonical, config_id, stage_view, stage_views
-from harness.spec.validate import ep_runner_problems
+from harness.spec.validate import runner_limits
 
 
 @dataclass(frozen=True)
@@ -203,8 +203,8 @@ def estimate_canonical(
     views = stage_views(spec)
     stages = tuple(stage_estimate(views[i], i, engine) for i in ids)
     notes = ()
-    if engine == "torch" and (unbuilt := ep_runner_problems(spec)):
-        notes = (f"torch: {unbuilt[0]}; the figure is that ZeRO stage's arithmetic, never measured",)
+    if engine == "torch" and (unbuilt := runner_limits(spec)):
+        notes = tuple(f"torch: {u}; the figure is the engine's arithmetic, never measured" for u in unbuilt)
     if engine == "megatron" and spec.model.moe:
         notes = (
             "megatron: the expert blocks' activations are the torch runner's (torchtitan's layer, "

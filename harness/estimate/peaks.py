@@ -138,7 +138,9 @@ def fsdp_last_stage_peaks(
     terms["fsdp_allgather"] += kept
     buffers += kept
     gloo = spec.device.name == "cpu"
-    regather = buf.fsdp_root_regather(m, p, t, stage=stage, gloo=gloo)
+    # Under the chunked loss the head's backward and reduce-scatter happen inside the loss
+    # (buffers.chunked_loss_head), not after it.
+    regather = buf.fsdp_root_regather(m, p, t, stage=stage, gloo=gloo) if t.loss_chunks == 1 else 0
     extra = max(0, regather - kept - terms["logits"] - terms["loss"])
     terms["fsdp_allgather"] += extra
     buffers += extra

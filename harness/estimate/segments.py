@@ -315,9 +315,10 @@ def loss_logits_segment(spec: RunSpec, stage: int) -> int:
     Traced (Llama-3-8B dp 8 ZeRO-3, s 8192, BF16, one rank's step replayed): a free 2,004 MiB segment
     at micro-batch 1 and 4,008 MiB at 2, under both FSDP2 policies. Under a pipeline the schedule keeps
     the head's outputs (``activations.logits``); in FP32 the upcast is the logits themselves, whose
-    block the FP32 gradients reuse: 0 there."""
+    block the FP32 gradients reuse: 0 there. Under the chunked loss (``train.loss_chunks``) a slice's
+    logits stay alive through its backward: 0 too."""
     m, p, t = spec.model, spec.parallel, spec.train
-    if stage != p.pp - 1 or p.pp > 1 or elem_bytes(t.precision) >= 4:
+    if stage != p.pp - 1 or p.pp > 1 or elem_bytes(t.precision) >= 4 or t.loss_chunks > 1:
         return 0
     return _block(elem_bytes(t.precision) * t.seq_len * t.micro_batch_size * m.vocab_size // (p.tp * p.cp))
 
@@ -374,7 +375,7 @@ def fsdp_root_segments(spec: RunSpec, stage: int) -> int:
     experts = expert_params(m, stage=stage, pp=p.pp, ep=p.ep) // layers if p.ep > 1 else 0
     layer = [e * (layer_params(m, tp=p.tp, ep=p.ep) - experts)] + ([e * experts] if experts else [])
     stream = [max(units) // (p.dp * p.cp), *layer]
-    loss_blocks = 4 * t.seq_len * t.micro_batch_size * m.vocab_size // (p.tp * p.cp)
+    loss_blocks = 4 * t.seq_len * t.micro_batch_size * m.vocab_size // (p.tp * p.cp) // t.loss_chunks
     after = _block(reduced) if reduced > loss_blocks else 0
     return sum(_block(n) for n in gathered + copies + stream) + after
 

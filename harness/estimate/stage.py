@@ -9,7 +9,7 @@ from harness.estimate import activations as act
 from harness.estimate import buffers as buf
 from harness.estimate import pipeline as pipe
 from harness.estimate import states as st
-from harness.estimate.dtypes import torch_autocast
+from harness.estimate.dtypes import elem_bytes, torch_autocast
 from harness.estimate.params import expert_params, param_numels, stage_params, zero1_partitions
 from harness.estimate.peaks import (
     fsdp_last_stage_peaks,
@@ -146,6 +146,8 @@ def _activation_terms(
     )
     logits = act.logits(m, p, t, stage=stage, engine=engine)
     loss = buf.loss(m, p, t, stage=stage, engine=engine)
+    if engine == "torch" and t.loss_chunks > 1 and stage == p.pp - 1:
+        logits, loss = buf.chunked_loss(m, p, t)
     if engine == "torch":
         # The recomputed block and a block's gradients are never alive with the loss's buffers: backward
         # reaches the blocks after the head's gradient is made and the loss buffers are freed.
@@ -255,6 +257,17 @@ def stage_estimate(spec: RunSpec, stage: int, engine: str) -> StageEstimate:
         casts = act.checkpointed_casts(m, p, t, autocast=True)
         if casts:
             buffers, activations = forward_end(spec, terms, buffers, activations, casts, fused_norm)
+    if engine == "torch" and t.loss_chunks > 1 and stage == p.pp - 1:
+        chain = terms["logits"] + terms["loss"] - buf.chunked_loss_hidden_grad(m, p, t)
+        head = buf.chunked_loss_head(m, p, t, grads, chain)
+        terms["loss"] += head
+        buffers += head
+        if p.zero_stage == 2 and p.dp * p.cp > 1 and p.pp == 1 and not m.tie_embeddings:
+            # The root (the embedding) is resharded at the first slice's backward (traced: its BF16
+            # copy freed there, gathered again when the blocks' backward reaches the norm)
+            root = elem_bytes(t.precision) * (m.vocab_size * m.hidden_size // p.tp)
+            terms["param_copies"] -= root
+            buffers -= root
     if engine == "torch":
         tables = st.rotary_tables(m.num_layers // p.pp, seq_len=t.seq_len, cp=p.cp, head_dim=m.head_size)
         terms["params"] += tables

@@ -215,6 +215,9 @@ class Llama(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         # Consecutive layer keys run under one checkpoint (set by recompute.apply_recompute).
         self.checkpoint_groups: list[list[str]] = []
+        # train.loss_chunks > 1: forward stops after the final norm; the loss runs the head
+        # (parallel/loss.py, torchtitan's ``_skip_lm_head``).
+        self.skip_head = False
         self.init_weights()
 
     @torch.no_grad()
@@ -243,4 +246,4 @@ class Llama(nn.Module):
                 h = checkpoint(_run_blocks, blocks, h, use_reentrant=False, preserve_rng_state=False)
                 i += len(group)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        return self.output(h) if self.output is not None and not self.skip_head else h

@@ -34,7 +34,7 @@ from harness.runner.procs import (
 )
 from harness.runner.record import invalid_record
 from harness.spec import InvalidSpec, RunSpec, canonical
-from harness.spec.validate import ep_runner_problems
+from harness.spec.validate import runner_limits
 
 POLL_S = 0.05
 PEER_POLL_S = 0.5  # how often a task of a multi-task point looks at the shared directory
@@ -57,7 +57,7 @@ def runner_problems(spec: RunSpec) -> list[str]:
             "the runner cannot combine pp > 1 with zero_stage 1 over dp·cp > 1 (ZeroRedundancyOptimizer "
             "does not accept the replicated DTensor parameters of pipeline stages); use zero_stage 0, 2 or 3"
         )
-    return out + ep_runner_problems(spec)
+    return out + runner_limits(spec)
 
 
 def device_problems(spec: RunSpec) -> list[str]:

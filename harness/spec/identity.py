@@ -71,7 +71,12 @@ def canonical_form(spec: RunSpec) -> RunSpec:
     """The canonical form of a spec that has already passed :func:`problems` (no re-validation)."""
     p = spec.parallel
     dp = p.dp if p.dp is not None else p.world_size // (p.tp * p.pp * p.cp)
-    zero, reshard = canonical_zero(p.zero_stage, p.fsdp_reshard_after_forward, pp=p.pp, shards=dp * p.cp)
+    reshard = p.fsdp_reshard_after_forward
+    if spec.train.loss_chunks > 1 and reshard == "always":
+        # The chunked loss gathers the head's own unit and keeps it through its slices, then reshards
+        # it, under either policy (runner/parallel/loss.py): the same run as torchtitan's "default".
+        reshard = "default"
+    zero, reshard = canonical_zero(p.zero_stage, reshard, pp=p.pp, shards=dp * p.cp)
     p = dataclasses.replace(
         p,
         dp=dp,

@@ -46,7 +46,13 @@ ADDED_FIELD_DEFAULTS = {
         "head_dim": None,
         "qk_norm": False,
     },
-    "train": {"recompute_every": 1, "recompute_method": "every", "grad_sync": "last", "moe_imbalance": 1.0},
+    "train": {
+        "recompute_every": 1,
+        "recompute_method": "every",
+        "grad_sync": "last",
+        "moe_imbalance": 1.0,
+        "loss_chunks": 1,
+    },
     "parallel": {"fsdp_reshard_after_forward": "always", "pp_layers": (), "ep": 1},
     # The device's memory-beside-tensors constants and step-time figures: config_id hashes only the
     # device's name and capacity; raw_id (invalid points) leaves them out while they hold the default.
@@ -187,6 +193,9 @@ class TrainSpec:
     # balanced), the worst case the runner's deterministic routing reproduces and the estimator assumes.
     # Canonical: 1.0 for a dense model.
     moe_imbalance: float = 1.0
+    # The head and the loss over this many slices of the rank's tokens, each slice's backward run at
+    # once (torchtitan's ChunkedLossWrapper, 8 in its Llama configs): logits exist for 1/N of the tokens.
+    loss_chunks: int = 1
 
 
 @dataclass(frozen=True)

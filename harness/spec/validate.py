@@ -145,6 +145,35 @@ def ep_runner_problems(spec: RunSpec) -> list[str]:
     ]
 
 
+def loss_chunks_runner_problems(spec: RunSpec) -> list[str]:
+    """Why this runner cannot run ``train.loss_chunks`` > 1 on this layout (``run`` and ``sweep`` refuse
+    it, real or fake; the ``torch`` engine still judges it): DDP reduces each parameter once per
+    backward and the slices' backwards reach the head's several times (torchtitan never uses DDP:
+    FSDP2 over one rank is its ZeRO-0); tensor parallelism's head would need each slice as a DTensor
+    of the sequence-sharded hidden states (torchtitan's ``local_map``), not built here."""
+    p, t = spec.parallel, spec.train
+    if t.loss_chunks == 1:
+        return []
+    out = []
+    if p.tp > 1:
+        out.append(
+            f"train.loss_chunks={t.loss_chunks} with tp {p.tp} is not built by this runner: its head "
+            "would take each slice as a DTensor (use tp 1, or train.loss_chunks=1)"
+        )
+    if p.pp == 1 and p.dp is not None and p.dp * p.cp > 1 and p.zero_stage <= 1:
+        out.append(
+            f"train.loss_chunks={t.loss_chunks} with zero_stage {p.zero_stage} (DDP) is not built by this "
+            "runner: DDP reduces the head's gradient once per backward and each slice runs one "
+            "(torchtitan shards with FSDP2 always: use zero_stage 2 or 3, or train.loss_chunks=1)"
+        )
+    return out
+
+
+def runner_limits(spec: RunSpec) -> list[str]:
+    """What this runner does not build of a valid spec (expert parallelism, chunked loss)."""
+    return ep_runner_problems(spec) + loss_chunks_runner_problems(spec)
+
+
 def _ep_problems(spec: RunSpec) -> list[str]:
     """Expert parallelism: ep groups are carved from the flattened dp·cp ranks, each holding a whole
     share of every block's experts."""
@@ -327,6 +356,14 @@ def layout_problems(spec: RunSpec) -> list[str]:
         out.append(
             f"sequence parallel needs (seq_len/cp) % tp = 0: ({t.seq_len}/{p.cp}) % {p.tp} "
             f"= {(t.seq_len // p.cp) % p.tp}"
+        )
+
+    if not isinstance(t.loss_chunks, int) or t.loss_chunks < 1:
+        out.append(f"train.loss_chunks={t.loss_chunks!r} must be an integer >= 1")
+    elif (tokens := t.micro_batch_size * t.seq_len // p.cp) % t.loss_chunks:
+        out.append(
+            f"train.loss_chunks={t.loss_chunks} must divide a rank's tokens per micro-batch, "
+            f"micro_batch_size·seq_len/cp = {tokens} ({tokens} % {t.loss_chunks} = {tokens % t.loss_chunks})"
         )
 
     if m.num_experts:

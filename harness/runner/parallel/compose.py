@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
@@ -20,6 +19,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from harness.runner.parallel.context import apply_cp
 from harness.runner.parallel.data import apply_ddp, apply_fsdp, apply_replicate, make_optimizer
 from harness.runner.parallel.expert import apply_ep, expert_meshes, sync_expert_grads
+from harness.runner.parallel.loss import PipelineLoss, chunked_loss, loss_fn
 from harness.runner.parallel.materialize import materialize, on_meta
 from harness.runner.parallel.pipeline import build_schedule, split_stage, stage_ids
 from harness.runner.parallel.recompute import apply_recompute
@@ -53,11 +53,9 @@ class Parallelized:
     # the expert data-parallel group (parallel/expert.py); dp·cp, their divisor.
     expert_sync: DeviceMesh | None = None
     shards: int = 1
-
-
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy, computed in FP32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    # train.loss_chunks > 1: the head the chunked loss runs (parallel/loss.py), on the last stage
+    loss_chunks: int = 1
+    head: nn.Module | None = None
 
 
 def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch.device) -> Parallelized:
@@ -90,6 +88,8 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
         if ep_mesh is not None:
             apply_ep(mod, ep_mesh, dp_cp, seq_len=t.seq_len, cp=p.cp, load_balance=p.cp_load_balance)
         apply_recompute(mod, mode=t.recompute, every=t.recompute_every, method=t.recompute_method)
+        if t.loss_chunks > 1 and mod.output is not None:
+            mod.skip_head = True
     fsdp = p.zero_stage >= 2 and dp_cp is not None
     if meta and not fsdp:  # DDP and replicate start from materialized parameters (DDP broadcasts them)
         materialize(modules, device, spec.model)
@@ -100,6 +100,7 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
                 dp_cp,
                 reshard_after_forward=p.zero_stage == 3,
                 keep_head=p.zero_stage == 3 and p.fsdp_reshard_after_forward == "default",
+                chunked_loss=t.loss_chunks > 1,
                 param_dtype=torch.bfloat16 if bf16 else torch.float32,
                 experts_mesh=edp_mesh if ep_mesh is not None else None,
             )
@@ -124,10 +125,14 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
         ends = [m.tok_embeddings.weight for m in modules if m.tok_embeddings is not None]
         ends += [m.output.weight for m in modules if m.output is not None]
         tied_weight = ends[0] if ends else None
+    # (DDP, refused with the chunked loss (validate.loss_chunks_runner_problems), wraps the module)
+    heads = [m.output for m in modules if m.output is not None] if t.loss_chunks > 1 else []
+    head = heads[0] if heads else None
     params = [q for mod in modules for q in mod.parameters()]
     optimizer = make_optimizer(params, zero_stage=p.zero_stage, mesh=dp_cp, lr=LEARNING_RATE, eps=ADAM_EPS)
     schedule = None
     if p.pp > 1:
+        pipeline_loss = PipelineLoss(head, t.loss_chunks) if head is not None else loss_fn
         schedule = build_schedule(
             modules,
             ids,
@@ -136,8 +141,10 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
             device=device,
             schedule=p.pp_schedule,
             num_microbatches=t.num_microbatches,
-            loss_fn=loss_fn,
+            loss_fn=pipeline_loss,
         )
+        if head is not None:
+            pipeline_loss.schedule = schedule
     # FSDP2 and replicate cast parameters themselves; DDP and single-rank BF16 runs use autocast.
     fsdp_like = dp_cp is not None and (p.zero_stage >= 2 or p.pp > 1)
     autocast = torch.bfloat16 if (bf16 and not fsdp_like) else None
@@ -155,6 +162,8 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
         grad_sync=t.grad_sync,
         expert_sync=edp_mesh if ep_mesh is not None and not fsdp_like else None,
         shards=p.dp * p.cp,
+        loss_chunks=t.loss_chunks,
+        head=head,
     )
 
 
@@ -246,7 +255,13 @@ def train_step(
             lp = loss_parallel() if par.loss_parallel else contextlib.nullcontext()
             with sync, lp:
                 with autocast:
-                    out = loss_fn(model(x), y) / num_microbatches
+                    if par.head is not None:
+                        # each slice's backward runs inside: the scale goes in with it
+                        out = chunked_loss(
+                            model(x), y, par.head, chunks=par.loss_chunks, scale=1 / num_microbatches
+                        )
+                    else:
+                        out = loss_fn(model(x), y) / num_microbatches
                 out.backward()
             out = (out.full_tensor() if hasattr(out, "full_tensor") else out).detach().float()
             total = out if total is None else total + out

@@ -30,6 +30,7 @@ def apply_fsdp(
     reshard_after_forward: bool,
     param_dtype: torch.dtype,
     keep_head: bool = False,
+    chunked_loss: bool = False,
     experts_mesh: DeviceMesh | None = None,
 ) -> None:
     """FSDP2 per transformer block, then the root (embedding, norm, head), in place.
@@ -37,17 +38,23 @@ def apply_fsdp(
     ``keep_head`` (``parallel.fsdp_reshard_after_forward=default`` at ZeRO-3, torchtitan's wrapping:
     ``torchtitan/distributed/fsdp.py``): the final norm and the head are one unit of their own that is
     not resharded after forward, FSDP2 prefetching it straight back for backward (with tied embeddings
-    the embedding joins that unit, as torchtitan does); the root then holds the embedding alone."""
+    the embedding joins that unit, as torchtitan does); the root then holds the embedding alone.
+
+    ``chunked_loss`` (``train.loss_chunks`` > 1, parallel/loss.py): the head is a unit of its own, which
+    the loss gathers once and keeps through its slices, as torchtitan's; resharded after forward as
+    the blocks are unless ``keep_head``. Alone, not with the norm: the loss calls the head outside the
+    model's forward, and a unit of several modules completes its forward only when all of them ran."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in model.layers.values():
         if experts_mesh is not None:
             _shard_experts(block, fully_shard, experts_mesh, mesh.size(), mp, reshard_after_forward)
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
-    if keep_head and model.output is not None:
-        head = [m for m in (model.norm, model.output) if m is not None]
+    if (keep_head or chunked_loss) and model.output is not None:
+        head = [model.output] if chunked_loss else [m for m in (model.norm, model.output) if m is not None]
         if model.tok_embeddings is not None and model.output.weight is model.tok_embeddings.weight:
             head.insert(0, model.tok_embeddings)
-        fully_shard(head, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+        kept = keep_head or not reshard_after_forward
+        fully_shard(head, mesh=mesh, reshard_after_forward=not kept, mp_policy=mp)
     # The root with an explicit reshard_after_forward=True is resharded after forward and gathered again
     # for backward (torch 2.13 keeps a root unsharded only when the setting is left to FSDP2:
     # _fsdp_state.py FSDPState._lazy_init, ``_auto_reshard_after_forward``): two root all-gathers a step.
