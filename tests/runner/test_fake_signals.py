@@ -65,9 +65,15 @@ def test_sigterm_to_a_tracing_process_is_no_outcome(monkeypatch, sigterm_raises,
 
 
 def test_ctrl_c_in_a_tracing_process_is_an_interrupt(monkeypatch, sigterm_raises):
+    # Python's own Ctrl-C handler, which the forked tracing process inherits: a suite started in the
+    # background (nohup, &) starts with SIGINT ignored, and Python then keeps ignoring it.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     _trace_instead(monkeypatch, lambda: os.kill(os.getpid(), signal.SIGINT))
-    with pytest.raises(KeyboardInterrupt):
-        run_fake(spec("tiny"), timeout_s=120)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_fake(spec("tiny"), timeout_s=120)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _children_of(pid: int) -> set[int]:
