@@ -34,6 +34,27 @@ LAYOUTS = {
     ],
     "cp 2 × dp 4, ZeRO-3": ["parallel.cp=2", "parallel.dp=4", "parallel.zero_stage=3"],
     "dp 4, ZeRO-3, micro-batch 2": ["parallel.dp=4", "parallel.zero_stage=3", "train.micro_batch_size=2"],
+    "tp 2 × dp 4, ZeRO-3": ["parallel.tp=2", "parallel.dp=4", "parallel.zero_stage=3"],
+    "tp 4 × dp 2, ZeRO-3, `op`": [
+        "parallel.tp=4",
+        "parallel.dp=2",
+        "parallel.zero_stage=3",
+        "train.recompute=op",
+    ],
+    "tp 2 without sequence parallelism": ["parallel.tp=2", "parallel.sequence_parallel=false"],
+    "pp 2 × tp 2 × dp 2, ZeRO-3, 2 micro-batches": [
+        "parallel.pp=2",
+        "parallel.tp=2",
+        "parallel.dp=2",
+        "parallel.zero_stage=3",
+        "train.num_microbatches=2",
+    ],
+    "dp 8, ZeRO-1 (DDP)": ["parallel.dp=8", "parallel.zero_stage=1"],
+    "dp 4, ZeRO-0 (DDP), 2 micro-batches": [
+        "parallel.dp=4",
+        "parallel.zero_stage=0",
+        "train.num_microbatches=2",
+    ],
     "pp 2 × dp 4, ZeRO-0, 2 micro-batches": ["parallel.pp=2", "parallel.dp=4", "train.num_microbatches=2"],
     "pp 2, GPipe, 2 micro-batches": [
         "parallel.pp=2",

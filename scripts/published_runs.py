@@ -32,13 +32,15 @@ TORCHTITAN_2024 = (
 # Its FSDP2 wrapping (parallelisms/parallelize_llama.py ``apply_fsdp``) is one root unit (embedding,
 # final norm, head) resharded after forward, as this runner's ``always``; it also keeps the last block
 # gathered after forward, which ``always`` reshards (one layer's BF16 weights, 416 MiB, not modelled).
-# Today's torchtitan (``default``, the head a unit of its own) is stack=torchtitan's default.
+# Today's torchtitan (``default``, the head a unit of its own) is stack=torchtitan's default. It had no
+# chunked loss then (``ChunkedLossWrapper`` came in 2026): the whole loss at once.
 TORCHTITAN_8B = [
     "model=llama3_8b",
     "device=h100_94gb",
     "stack=torchtitan",
     "parallel.zero_stage=3",
     "parallel.fsdp_reshard_after_forward=always",
+    "train.loss_chunks=1",
     "train.seq_len=8192",
     "train.micro_batch_size=2",
     "train.precision=bf16",

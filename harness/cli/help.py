@@ -64,7 +64,7 @@ MEANINGS: dict[str, str] = {
     "train.grad_sync": "with accumulation over dp: reduce after the last micro-batch | every_microbatch; "
     "null: the stack's",
     "train.loss_chunks": "the head and the loss over N slices of the rank's tokens, each slice's backward "
-    "at once (torchtitan's ChunkedLossWrapper: 8 in its Llama configs); 1: the whole loss at once",
+    "at once (torchtitan's ChunkedLossWrapper: 8); null: the stack's",
     "train.steps": "steps run: 1 warm-up, then timed steps (>= 2)",
     "train.moe_imbalance": "mixture of experts: the most-loaded expert's routed tokens over the balanced "
     "share (1.0)",

@@ -210,4 +210,9 @@ def estimate_canonical(
             "megatron: the expert blocks' activations are the torch runner's (torchtitan's layer, "
             "harness/estimate/moe.py); Megatron's token dispatchers are not modelled",
         )
+    if engine == "megatron" and spec.train.loss_chunks > 1:
+        notes += (
+            f"megatron: train.loss_chunks={spec.train.loss_chunks} is not modelled: Megatron's loss "
+            "runs on the whole logits at once",
+        )
     return Estimate(spec, engine, stages, flops, views=views, notes=notes)

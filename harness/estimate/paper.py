@@ -31,6 +31,7 @@ IGNORED_FIELDS = (
     "train.recompute_method",
     "train.precision",
     "train.attention",
+    "train.loss_chunks",
 )
 
 

@@ -14,9 +14,9 @@ stack fills what is left, and every command says in one line which stack and whi
   (``parallel.fsdp_reshard_after_forward=default``; its final norm and head are a unit never resharded
   after forward); activation checkpointing ``SelectiveAC`` by default, per operator
   (``train.recompute=op``); FSDP2 mixed precision BF16 parameters, FP32 reduction; tensor and sequence
-  parallelism saving the gathered input, loss parallelism (this runner's code path). Its chunked loss
-  (8 slices in its Llama configs) is ``train.loss_chunks=8``, not yet filled in by the stack: this
-  runner cannot run it under tensor parallelism. docs/stacks.md
+  parallelism saving the gathered input, loss parallelism (this runner's code path); the head and the
+  loss over 8 slices of the tokens (``ChunkedLossWrapper`` in its Llama configs, ``components/loss.py``:
+  ``train.loss_chunks=8``). docs/stacks.md
   lists each choice with its source, and those this project does not model.
 - ``megatron``: Megatron-LM / NeMo: BF16 parameters, an FP32 main-gradient buffer, the distributed
   optimizer's FP32 master weights; gradients reduced after the last micro-batch; sequence parallelism
@@ -55,13 +55,15 @@ class Stack:
 STACKS = {
     "torchtitan": Stack(
         "torchtitan",
-        "torchtitan's defaults: FSDP2 reduce-scatter after every micro-batch, not resharded under pipelining",
+        "torchtitan's defaults: FSDP2 reduce-scatter after every micro-batch, not resharded under "
+        "pipelining, chunked loss",
         "torch",
         True,
         {
             "train.grad_sync": "every_microbatch",
             "parallel.fsdp_reshard_after_forward": "default",
             "train.recompute": "op",
+            "train.loss_chunks": 8,
         },
     ),
     "megatron": Stack(
@@ -73,6 +75,7 @@ STACKS = {
             "train.grad_sync": "last",
             "parallel.fsdp_reshard_after_forward": "always",
             "train.recompute": "none",
+            "train.loss_chunks": 1,
         },
     ),
     "harness": Stack(
@@ -84,6 +87,7 @@ STACKS = {
             "train.grad_sync": "last",
             "parallel.fsdp_reshard_after_forward": "always",
             "train.recompute": "none",
+            "train.loss_chunks": 1,
         },
     ),
 }

@@ -145,33 +145,9 @@ def ep_runner_problems(spec: RunSpec) -> list[str]:
     ]
 
 
-def loss_chunks_runner_problems(spec: RunSpec) -> list[str]:
-    """Why this runner cannot run ``train.loss_chunks`` > 1 on this layout (``run`` and ``sweep`` refuse
-    it, real or fake; the ``torch`` engine still judges it): DDP reduces each parameter once per
-    backward and the slices' backwards reach the head's several times (torchtitan never uses DDP:
-    FSDP2 over one rank is its ZeRO-0); tensor parallelism's head would need each slice as a DTensor
-    of the sequence-sharded hidden states (torchtitan's ``local_map``), not built here."""
-    p, t = spec.parallel, spec.train
-    if t.loss_chunks == 1:
-        return []
-    out = []
-    if p.tp > 1:
-        out.append(
-            f"train.loss_chunks={t.loss_chunks} with tp {p.tp} is not built by this runner: its head "
-            "would take each slice as a DTensor (use tp 1, or train.loss_chunks=1)"
-        )
-    if p.pp == 1 and p.dp is not None and p.dp * p.cp > 1 and p.zero_stage <= 1:
-        out.append(
-            f"train.loss_chunks={t.loss_chunks} with zero_stage {p.zero_stage} (DDP) is not built by this "
-            "runner: DDP reduces the head's gradient once per backward and each slice runs one "
-            "(torchtitan shards with FSDP2 always: use zero_stage 2 or 3, or train.loss_chunks=1)"
-        )
-    return out
-
-
 def runner_limits(spec: RunSpec) -> list[str]:
-    """What this runner does not build of a valid spec (expert parallelism, chunked loss)."""
-    return ep_runner_problems(spec) + loss_chunks_runner_problems(spec)
+    """What this runner does not build of a valid spec (expert parallelism)."""
+    return ep_runner_problems(spec)
 
 
 def _ep_problems(spec: RunSpec) -> list[str]:

@@ -42,9 +42,11 @@ def test_estimate_table_as_in_the_issue():
 def test_estimate_json_has_integer_byte_fields(capsys):
     assert main(["estimate", *EXAMPLE[:-2], "engine=torch", "device=h100_94gb", "format=json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "total_bytes"):
+    for key in ("params_bytes", "optimizer_bytes", "activations_bytes", "total_bytes"):
         assert isinstance(out[key], int) and out[key] > 0
-    assert len(out["stages"]) == 2
+    # the worst stage's (stage 0: its gradients are made after its peak); the last stage holds some
+    assert isinstance(out["grads_bytes"], int) and out["grads_bytes"] >= 0
+    assert len(out["stages"]) == 2 and out["stages"][1]["grads_bytes"] > 0
     assert out["total_bytes"] == max(s["total_bytes"] for s in out["stages"])
     assert out["fits"] is (out["utilisation"] <= 0.8)
 

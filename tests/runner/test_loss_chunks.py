@@ -14,8 +14,8 @@ from conftest import fast_few, spec
 
 from harness.estimate import estimate
 from harness.runner.parallel import compose
-from harness.runner.supervisor import run_point, runner_problems
-from harness.spec import InvalidSpec, canonical, config_id
+from harness.runner.supervisor import run_point
+from harness.spec import InvalidSpec, apply_stack, canonical, config_id
 
 COMMON = dict(train_precision="fp32", train_steps=3, train_seq_len=64)
 RTOL = 2e-4
@@ -91,13 +91,37 @@ LAYOUTS = {
         train_num_microbatches=2,
         train_loss_chunks=2,
     ),
+    "dp2-zero0": dict(parallel_dp=2, train_micro_batch_size=2, train_loss_chunks=4),
+    "dp2-zero1-accumulate2": dict(
+        parallel_dp=2,
+        parallel_zero_stage=1,
+        train_micro_batch_size=1,
+        train_num_microbatches=2,
+        train_loss_chunks=2,
+    ),
+    "cp2-zero0": dict(parallel_cp=2, train_micro_batch_size=4, train_loss_chunks=4),
+    "tp2-sp": dict(parallel_tp=2, train_micro_batch_size=4, train_loss_chunks=4),
+    "tp2-nosp": dict(
+        parallel_tp=2, parallel_sequence_parallel=False, train_micro_batch_size=4, train_loss_chunks=4
+    ),
+    "dp2-tp2-zero3": dict(
+        parallel_dp=2, parallel_tp=2, parallel_zero_stage=3, train_micro_batch_size=2, train_loss_chunks=2
+    ),
+    "dp2-tp2-zero1": dict(
+        parallel_dp=2, parallel_tp=2, parallel_zero_stage=1, train_micro_batch_size=2, train_loss_chunks=2
+    ),
+    "pp2-tp2": dict(
+        parallel_pp=2, parallel_tp=2, train_micro_batch_size=2, train_num_microbatches=2, train_loss_chunks=2
+    ),
+    "tied-tp2-sp": dict(tied=True, parallel_tp=2, train_micro_batch_size=4, train_loss_chunks=4),
+    "tied-dp2-zero0": dict(tied=True, parallel_dp=2, train_micro_batch_size=2, train_loss_chunks=2),
     "tied-dp2-zero3": dict(
         tied=True, parallel_dp=2, parallel_zero_stage=3, train_micro_batch_size=2, train_loss_chunks=4
     ),
 }
 
 
-@pytest.mark.parametrize("layout", fast_few(LAYOUTS, ("one-rank", "dp2-zero3", "pp2-1f1b")))
+@pytest.mark.parametrize("layout", fast_few(LAYOUTS, ("dp2-zero3", "dp2-zero0", "tp2-sp", "pp2-1f1b")))
 def test_chunked_loss_matches_the_single_rank_reference(layout, references):
     kw = dict(LAYOUTS[layout])
     want = references[kw.get("tied", False)]
@@ -107,20 +131,17 @@ def test_chunked_loss_matches_the_single_rank_reference(layout, references):
         assert a == pytest.approx(b, rel=RTOL), (got, want)
 
 
-def test_chunked_loss_is_validated_and_refused_where_the_runner_cannot_build_it():
+def test_chunked_loss_is_validated_and_torchtitans_stack_sets_it():
     with pytest.raises(
         InvalidSpec, match=r"train.loss_chunks=3 must divide a rank's tokens per micro-batch, "
     ):
         canonical(spec("tiny", train_seq_len=64, train_loss_chunks=3))
     with pytest.raises(InvalidSpec, match=r"train.loss_chunks=0 must be an integer >= 1"):
         canonical(spec("tiny", train_loss_chunks=0))
-    ddp = spec("tiny", parallel_dp=2, train_loss_chunks=2)
-    assert any("(DDP) is not built by this runner" in x for x in runner_problems(ddp))
-    tp = spec("tiny", parallel_tp=2, parallel_dp=1, train_loss_chunks=2)
-    assert any("with tp 2 is not built by this runner" in x for x in runner_problems(tp))
-    assert not runner_problems(spec("tiny", parallel_dp=2, parallel_zero_stage=3, train_loss_chunks=2))
-    # the engine still judges them, and says the runner never ran them
-    assert any("never measured" in n for n in estimate(ddp).notes)
+    cfg = {"model": {}, "parallel": {}, "train": {}, "device": {"name": "h100_80gb"}}
+    assert apply_stack({**cfg, "stack": "torchtitan"})[0]["train"]["loss_chunks"] == 8
+    assert apply_stack({**cfg, "stack": "megatron"})[0]["train"]["loss_chunks"] == 1
+    assert apply_stack({**cfg, "stack": "harness"})[0]["train"]["loss_chunks"] == 1
 
 
 def test_chunked_loss_makes_both_fsdp_policies_one_run_and_leaves_unchunked_ids_alone():
@@ -151,6 +172,13 @@ TRACED = {
     "pp2-dp4-zero3-m2": dict(parallel_pp=2, parallel_dp=4, parallel_zero_stage=3, train_num_microbatches=2),
     "pp2-dp4-zero3-m4": dict(parallel_pp=2, parallel_dp=4, parallel_zero_stage=3, train_num_microbatches=4),
     "pp2-dp4-zero0-m2": dict(parallel_pp=2, parallel_dp=4, train_num_microbatches=2),
+    "tp2-dp4-zero3": dict(parallel_tp=2, parallel_dp=4, parallel_zero_stage=3),
+    "tp2-nosp": dict(parallel_tp=2, parallel_sequence_parallel=False),
+    "pp2-tp2-dp2-zero3-m2": dict(
+        parallel_pp=2, parallel_tp=2, parallel_dp=2, parallel_zero_stage=3, train_num_microbatches=2
+    ),
+    "dp8-zero1": dict(parallel_dp=8, parallel_zero_stage=1),
+    "dp4-zero0-m2": dict(parallel_dp=4, parallel_zero_stage=0, train_num_microbatches=2),
 }
 
 

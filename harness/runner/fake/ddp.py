@@ -143,16 +143,14 @@ def _group(order: list[int], params: list[torch.Tensor]) -> list[list[int]]:
 
 
 def apply_bucketed_replica(
-    model: nn.Module, mesh, *, tensor_parallel: bool, ignore_experts: bool = False
+    model: nn.Module, mesh, *, tensor_parallel: bool, ignore_experts: bool = False, ignore_head: bool = False
 ) -> nn.Module:
     """:func:`harness.runner.parallel.data.apply_ddp`'s signature and parameter handling, with the
     reducer's memory reproduced by :class:`BucketedReplica`."""
-    del mesh
-    ignored = frozenset()
-    if ignore_experts:
-        from harness.runner.parallel.expert import expert_parameters
+    from harness.runner.parallel.data import ddp_ignored
 
-        ignored = frozenset(name for name, _ in expert_parameters(model))
+    del mesh
+    ignored = frozenset(ddp_ignored(model, ignore_experts=ignore_experts, ignore_head=ignore_head))
     if tensor_parallel:
         # The real path's own transform (torch's ``_pre_dp_module_transform`` unties a tied head from
         # its embedding: traced, the head's gradient met a local bucket view as a DTensor, issue 30).

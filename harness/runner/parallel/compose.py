@@ -56,6 +56,7 @@ class Parallelized:
     # train.loss_chunks > 1: the head the chunked loss runs (parallel/loss.py), on the last stage
     loss_chunks: int = 1
     head: nn.Module | None = None
+    head_sync: DeviceMesh | None = None  # DDP: the head's gradient is averaged by hand (sync_head_grad)
 
 
 def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch.device) -> Parallelized:
@@ -74,7 +75,9 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
     )
     # Vocabulary-sharded logits straight into the loss, except under pipelining, whose stages send
     # and return plain tensors: there the head's output is gathered.
-    use_loss_parallel = p.tp > 1 and p.pp == 1
+    # The chunked loss runs the head inside the schedule's loss, whose slices can keep it sharded
+    # (parallel/loss.PipelineLoss), as torchtitan's does.
+    use_loss_parallel = p.tp > 1 and (p.pp == 1 or t.loss_chunks > 1)
     positions = None
     # Built on the meta device (the worker): memory and weights come after sharding (materialize.py).
     meta = on_meta(model)
@@ -82,7 +85,13 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
         if not meta and next(mod.parameters()).device != device:  # (a no-op .to() fails on fake tensors)
             mod.to(device)
         if p.tp > 1:
-            apply_tp(mod, mesh["tp"], sequence_parallel=p.sequence_parallel, loss_parallel=use_loss_parallel)
+            apply_tp(
+                mod,
+                mesh["tp"],
+                sequence_parallel=p.sequence_parallel,
+                loss_parallel=use_loss_parallel,
+                chunked_loss=t.loss_chunks > 1,
+            )
         if p.cp > 1:
             positions = apply_cp(mod, mesh["cp"], seq_len=t.seq_len, load_balance=p.cp_load_balance)
         if ep_mesh is not None:
@@ -116,7 +125,13 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
             )
     elif dp_cp is not None:
         modules = [
-            apply_ddp(mod, dp_cp, tensor_parallel=p.tp > 1, ignore_experts=ep_mesh is not None)
+            apply_ddp(
+                mod,
+                dp_cp,
+                tensor_parallel=p.tp > 1,
+                ignore_experts=ep_mesh is not None,
+                ignore_head=t.loss_chunks > 1,
+            )
             for mod in modules
         ]
     tied_weight, tied_group = None, None
@@ -125,14 +140,15 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
         ends = [m.tok_embeddings.weight for m in modules if m.tok_embeddings is not None]
         ends += [m.output.weight for m in modules if m.output is not None]
         tied_weight = ends[0] if ends else None
-    # (DDP, refused with the chunked loss (validate.loss_chunks_runner_problems), wraps the module)
-    heads = [m.output for m in modules if m.output is not None] if t.loss_chunks > 1 else []
+    bare = [getattr(m, "module", m) for m in modules]  # (inside DDP)
+    heads = [m.output for m in bare if m.output is not None] if t.loss_chunks > 1 else []
     head = heads[0] if heads else None
+    ddp = dp_cp is not None and not fsdp and p.pp == 1  # (apply_ddp's branch above)
     params = [q for mod in modules for q in mod.parameters()]
     optimizer = make_optimizer(params, zero_stage=p.zero_stage, mesh=dp_cp, lr=LEARNING_RATE, eps=ADAM_EPS)
     schedule = None
     if p.pp > 1:
-        pipeline_loss = PipelineLoss(head, t.loss_chunks) if head is not None else loss_fn
+        pipeline_loss = PipelineLoss(head, t.loss_chunks, p.tp > 1) if head is not None else loss_fn
         schedule = build_schedule(
             modules,
             ids,
@@ -164,7 +180,19 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
         shards=p.dp * p.cp,
         loss_chunks=t.loss_chunks,
         head=head,
+        head_sync=dp_cp if ddp and head is not None else None,
     )
+
+
+@torch.no_grad()
+def sync_head_grad(par: Parallelized) -> None:
+    """DDP under the chunked loss: the head's gradient, which DDP ignores (data.apply_ddp), averaged
+    over the data-parallel ranks by hand, as DDP would have."""
+    if par.head_sync is None or par.head.weight.grad is None:
+        return
+    weight = par.head.weight
+    dist.all_reduce(weight.grad, group=par.head_sync.get_group())
+    weight.grad.div_(par.head_sync.size())
 
 
 def tied_embedding_group(mesh: DeviceMesh):
@@ -268,6 +296,7 @@ def train_step(
         loss = total
     if par.expert_sync is not None:
         sync_expert_grads(par.modules, par.expert_sync, shards=par.shards)
+    sync_head_grad(par)
     sync_tied_weight(par)
     par.optimizer.step()
     par.optimizer.zero_grad(set_to_none=True)

@@ -92,7 +92,12 @@ def apply_replicate(
 
 
 def apply_ddp(
-    model: nn.Module, mesh: DeviceMesh, *, tensor_parallel: bool, ignore_experts: bool = False
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    tensor_parallel: bool,
+    ignore_experts: bool = False,
+    ignore_head: bool = False,
 ) -> nn.Module:
     """DDP over ``mesh``'s group; with tensor parallelism, DTensor parameters are first exposed as local
     tensors (``localize_for_ddp``: PyTorch's recipe for DDP + TP, keeping tied embeddings tied).
@@ -106,14 +111,26 @@ def apply_ddp(
 
         localize_for_ddp(model)
     ignored = [name for name, _ in model.named_buffers()]
-    if ignore_experts:  # expert parallelism: reduced over their own group (compose.train_step)
-        from harness.runner.parallel.expert import expert_parameters
-
-        ignored += [name for name, _ in expert_parameters(model)]
+    ignored += ddp_ignored(model, ignore_experts=ignore_experts, ignore_head=ignore_head)
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     return DistributedDataParallel(
         model, process_group=mesh.get_group(), gradient_as_bucket_view=True, broadcast_buffers=False
     )
+
+
+def ddp_ignored(model: nn.Module, *, ignore_experts: bool, ignore_head: bool) -> list[str]:
+    """The parameters DDP leaves alone, each reduced by hand instead (compose.train_step): expert
+    parallelism's experts (over their own group), and under the chunked loss the head, whose gradient
+    each slice's backward makes again while DDP's reducer takes a parameter once per backward (with
+    tied embeddings the embedding's too: one parameter)."""
+    out = []
+    if ignore_experts:
+        from harness.runner.parallel.expert import expert_parameters
+
+        out += [name for name, _ in expert_parameters(model)]
+    if ignore_head:
+        out += [n for n, q in model.named_parameters(remove_duplicate=False) if q is model.output.weight]
+    return out
 
 
 def make_optimizer(

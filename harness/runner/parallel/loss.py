@@ -13,6 +13,12 @@ configs) is followed step for step, because what it holds and when is the point 
    (``_HiddenGradient``), so the step's ordinary backward (or the pipeline schedule's) runs on
    through the blocks.
 
+Under tensor parallelism the slices are whole on every tp rank (sequence parallelism's output gathered
+first, as torchtitan's plan does), the head's logits vocabulary-sharded under loss parallelism, and each
+slice's hidden-state gradient all-reduced as it is made (torchtitan keeps it partial and reduces the
+buffer once). Under DDP the head is left out of the reducer and averaged by hand
+(``compose.sync_head_grad``).
+
 Written here, not imported: torchtitan is not a dependency, and its wrapper works on its own
 model's (tokens, h) layout and its SPMD type checker. The loss is the mean over the rank's tokens
 times ``scale``, as :func:`loss_fn`'s; each slice's backward runs on its own part of that sum, so the
@@ -21,9 +27,13 @@ gradients are the unchunked loss's.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import loss_parallel
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -64,13 +74,20 @@ def chunked_loss(
     slice's backward run now (module docstring). ``hidden`` (batch, seq, h), ``targets`` (batch, seq).
     ``backward`` False: the slices' backwards are not run and the hidden states' gradient is zeros (a
     pipeline's metadata inference, :class:`PipelineLoss`)."""
-    tokens = hidden.shape[0] * hidden.shape[1]
-    h_all = hidden.detach().reshape(tokens, hidden.shape[-1])
+    mesh = None
+    if isinstance(hidden, DTensor):
+        # Sequence parallelism: the norm's output is sequence-sharded; every tensor-parallel rank runs
+        # the head on whole slices (torchtitan's plan gathers them too). Its gradient comes back whole.
+        mesh = hidden.device_mesh
+        hidden = hidden.redistribute(placements=[Replicate()] * mesh.ndim)
+    local = hidden.to_local() if mesh is not None else hidden
+    tokens = local.shape[0] * local.shape[1]
+    h_all = local.detach().reshape(tokens, local.shape[-1])
     y_all = targets.reshape(tokens)
     train = hidden.requires_grad
     if train and not backward:
         with torch.no_grad():
-            total = chunked_loss(hidden.detach(), targets, head, chunks=chunks, scale=scale)
+            total = chunked_loss(local.detach(), targets, head, chunks=chunks, scale=scale)
         return _HiddenGradient.apply(hidden, torch.zeros_like(hidden), total)
     grad = torch.zeros(h_all.shape, dtype=torch.float32, device=h_all.device) if train else None
     fsdp = train and _fsdp_head(head)
@@ -87,11 +104,12 @@ def chunked_loss(
         if fsdp and i == chunks - 1:
             head.set_requires_gradient_sync(True, recurse=False)
         logits = head(h)
+        # (under tp: vocabulary-sharded logits; compose.train_step's loss_parallel covers the slices)
         loss = F.cross_entropy(logits.float(), y_all[part], reduction="sum") * (scale / tokens)
-        total = total + loss.detach()
+        total = total + (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
         if train:
             loss.backward()
-            grad[part] = h.grad
+            grad[part] = h.grad  # whole: the head's input hook reduced it over the tp ranks
             h.grad = None
         del logits, loss, h
     if fsdp:
@@ -100,7 +118,10 @@ def chunked_loss(
         head.reshard()
     if not train:
         return total
-    return _HiddenGradient.apply(hidden, grad.to(hidden.dtype).view(hidden.shape), total)
+    grad = grad.to(local.dtype).view(local.shape)
+    if mesh is not None:
+        grad = DTensor.from_local(grad, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return _HiddenGradient.apply(hidden, grad, total)
 
 
 class PipelineLoss:
@@ -114,8 +135,8 @@ class PipelineLoss:
     schedule says its backward is set up (a private flag; a torch without it is taken as set up) the
     loss runs without them. torchtitan's ``ChunkedLossWrapper`` under its pipelines has no such guard."""
 
-    def __init__(self, head: nn.Module, chunks: int):
-        self.head, self.chunks = head, chunks
+    def __init__(self, head: nn.Module, chunks: int, loss_parallel: bool = False):
+        self.head, self.chunks, self.loss_parallel = head, chunks, loss_parallel
         self.schedule: object | None = None
 
     def __call__(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -124,4 +145,6 @@ class PipelineLoss:
             "_stage_backward_initialized",
             getattr(self.schedule, "_stages_backward_initialized", True),
         )
-        return chunked_loss(hidden, targets, self.head, chunks=self.chunks, backward=bool(ready))
+        # Under tp the head's output stays vocabulary-sharded: every slice's loss and backward run here
+        with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
+            return chunked_loss(hidden, targets, self.head, chunks=self.chunks, backward=bool(ready))

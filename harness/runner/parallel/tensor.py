@@ -84,8 +84,12 @@ def layer_plan(*, sequence_parallel: bool) -> dict:
     }
 
 
-def model_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -> dict:
-    """Embedding, final norm and head of a (possibly partial) model → parallel style."""
+def model_plan(
+    model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool, chunked_loss: bool = False
+) -> dict:
+    """Embedding, final norm and head of a (possibly partial) model → parallel style. ``chunked_loss``
+    (``train.loss_chunks`` > 1): the head takes each slice of the hidden states whole on every rank
+    (parallel/loss.py gathers them first), as torchtitan's does."""
     seq = Shard(1) if sequence_parallel else Replicate()
     plan: dict = {}
     if model.tok_embeddings is not None:
@@ -94,19 +98,27 @@ def model_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool
         plan["norm"] = SequenceParallel() if sequence_parallel else ReplicateParallel()
     if model.output is not None:
         plan["output"] = ColwiseParallel(
-            input_layouts=seq,
+            input_layouts=Replicate() if chunked_loss else seq,
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
         )
     return plan
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> None:
+def apply_tp(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+    chunked_loss: bool = False,
+) -> None:
     """Shard ``model`` (a Llama or a pipeline stage of one) over ``tp_mesh`` in place."""
     tied = model.spec.tie_embeddings and model.tok_embeddings is not None and model.output is not None
-    parallelize_module(
-        model, tp_mesh, model_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    plan = model_plan(
+        model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, chunked_loss=chunked_loss
     )
+    parallelize_module(model, tp_mesh, plan)
     if tied:
         model.output.weight = model.tok_embeddings.weight  # both Shard(0): one parameter again
     for block in model.layers.values():
