@@ -72,9 +72,11 @@ def canonical_form(spec: RunSpec) -> RunSpec:
     p = spec.parallel
     dp = p.dp if p.dp is not None else p.world_size // (p.tp * p.pp * p.cp)
     reshard = p.fsdp_reshard_after_forward
-    if spec.train.loss_chunks > 1 and reshard == "always":
+    if spec.train.loss_chunks > 1 and reshard == "always" and p.pp == 1:
         # The chunked loss gathers the head's own unit and keeps it through its slices, then reshards
         # it, under either policy (runner/parallel/loss.py): the same run as torchtitan's "default".
+        # Not under a pipeline, where "default" reshards no block (found by the deep property that a
+        # second pipeline stage never costs memory: it had turned ZeRO-3 into ZeRO-2).
         reshard = "default"
     zero, reshard = canonical_zero(p.zero_stage, reshard, pp=p.pp, shards=dp * p.cp)
     p = dataclasses.replace(
