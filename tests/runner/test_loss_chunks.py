@@ -12,44 +12,18 @@ import dataclasses
 import pytest
 from conftest import fast_few, spec
 
+# The run, the single-rank references and the gradient-sensitive optimizer of the parallel runner's own
+# loss-equality tests (RTOL 2e-4): imported, the fixtures apply here as there.
+from test_runner_parallel import (  # noqa: F401  (fixtures, found by name)
+    assert_same,
+    gradient_sensitive_adam,
+    reference,
+    run,
+    tied_reference,
+)
+
 from harness.estimate import estimate
-from harness.runner.parallel import compose
-from harness.runner.supervisor import run_point
 from harness.spec import InvalidSpec, apply_stack, canonical, config_id
-
-COMMON = dict(train_precision="fp32", train_steps=3, train_seq_len=64)
-RTOL = 2e-4
-
-
-@pytest.fixture(autouse=True)
-def gradient_sensitive_adam(monkeypatch):
-    monkeypatch.setattr(compose, "ADAM_EPS", 1.0)
-    monkeypatch.setattr(compose, "LEARNING_RATE", 2.0)
-
-
-def run(*, tied: bool = False, **kw) -> list[float]:
-    s = spec("tiny", **COMMON, **kw)
-    if tied:
-        s = canonical(dataclasses.replace(s, model=dataclasses.replace(s.model, tie_embeddings=True)))
-    record = run_point(s, timeout_s=240)
-    assert record["status"] == "ok", record["error"]
-    return record["losses"]
-
-
-@pytest.fixture(scope="module")
-def references() -> dict[bool, list[float]]:
-    mp = pytest.MonkeyPatch()
-    mp.setattr(compose, "ADAM_EPS", 1.0)
-    mp.setattr(compose, "LEARNING_RATE", 2.0)
-    try:
-        out = {
-            tied: run(tied=tied, train_micro_batch_size=4, train_num_microbatches=1) for tied in (False, True)
-        }
-    finally:
-        mp.undo()
-    assert all(losses[1] < losses[0] - 0.05 for losses in out.values())  # it trains
-    return out
-
 
 LAYOUTS = {
     "one-rank": dict(train_micro_batch_size=4, train_loss_chunks=4),
@@ -122,13 +96,12 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", fast_few(LAYOUTS, ("dp2-zero3", "dp2-zero0", "tp2-sp", "pp2-1f1b")))
-def test_chunked_loss_matches_the_single_rank_reference(layout, references):
+def test_chunked_loss_matches_the_single_rank_reference(layout, request):
     kw = dict(LAYOUTS[layout])
-    want = references[kw.get("tied", False)]
-    got = run(**kw)
-    assert len(got) == len(want)
-    for a, b in zip(got, want, strict=True):
-        assert a == pytest.approx(b, rel=RTOL), (got, want)
+    tied = kw.pop("tied", False)
+    assert_same(
+        run(tied=tied, **kw)["losses"], request.getfixturevalue("tied_reference" if tied else "reference")
+    )
 
 
 def test_chunked_loss_is_validated_and_torchtitans_stack_sets_it():
