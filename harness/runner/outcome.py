@@ -52,6 +52,21 @@ def _watchdog_line(out_dir: Path, rank: int) -> str | None:
     return next((ln.strip()[:300] for ln in text.splitlines() if NCCL_WATCHDOG in ln), None)
 
 
+def _fatal_lines(out_dir: Path, rank: int) -> str:
+    """Why a rank died by a signal, from its log: a C++ ``terminate``'s exception (``what():``) and
+    the innermost Python frame of the thread that took the signal (the worker points ``faulthandler``
+    at the log). Empty when the log says nothing of it (a SIGKILL from outside)."""
+    try:
+        lines = (out_dir / f"rank{rank}.log").read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    said = [ln.strip() for ln in lines if "terminate called" in ln or ln.strip().startswith("what():")]
+    current = next((i for i, ln in enumerate(lines) if ln.startswith("Current thread")), None)
+    if current is not None and current + 1 < len(lines) and lines[current + 1].strip():
+        said.append(f"in {lines[current + 1].strip()}")
+    return "; ".join(said)[:400]
+
+
 def _symptom(entry: tuple[int, int, dict]) -> bool:
     """A rank that failed only because a peer did not arrive or left (its own collective timed out,
     its connection closed): gloo reports a peer's hang or death as this rank's error, and NCCL's
@@ -177,6 +192,11 @@ def point_record(
         status = "oom" if host_oom or any(r[2].get("oom") for r in failed) else "crash"
         if code is not None and code < 0:
             error = f"rank {rank} killed by signal {signal.Signals(-code).name}"
+            fatal = _fatal_lines(out_dir, rank)
+            if fatal:
+                error += f" ({fatal})"
+            if info.get("losses") and not info.get("error"):
+                error += " after it had reported its results (in the process group's teardown)"
             if host_oom:
                 error += " (the host's OOM killer ran during the point)"
         else:

@@ -9,6 +9,7 @@ error, a Python exception with its first line); the supervisor covers what a ran
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import statistics
 import time
@@ -178,6 +179,10 @@ def run_rank(
     log = os.open(out_dir / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)  # the rank's own output goes to its log, not the user's terminal
     os.dup2(log, 2)
+    # A fatal signal (a C++ abort in gloo or autograd, a segfault) leaves its Python stacks in the
+    # rank's log, where the record reads them (outcome._fatal_lines); an inherited handler (pytest's)
+    # would write them to the parent's terminal instead.
+    faulthandler.enable(file=2, all_threads=True)
     try:
         os.environ.update(
             MASTER_ADDR=master_addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)

@@ -109,6 +109,23 @@ def test_rank_killed_with_sigkill(monkeypatch, no_leftovers):
     assert r["exit_code"] == -signal.SIGKILL
 
 
+def test_a_rank_that_aborts_says_where_from_its_log(monkeypatch, no_leftovers):
+    """A C++ abort (gloo's, autograd's) leaves no report: the rank's log holds the Python frame that
+    took it, and the record says it (seen in CI: a bare "rank 0 killed by signal SIGABRT")."""
+    inject(monkeypatch, os.abort)
+    r = run_point(spec("tiny", parallel_dp=2, **FAST), timeout_s=60)
+    assert r["status"] == "crash" and r["error_rank"] == 1, r["error"]
+    assert r["error"].startswith("rank 1 killed by signal SIGABRT (in File "), r["error"]
+    assert "test_supervisor.py" in r["error"] and "teardown" not in r["error"], r["error"]
+
+
+def test_an_abort_after_the_report_is_told_apart(monkeypatch, no_leftovers):
+    monkeypatch.setattr(worker, "_destroy_process_group", os.abort)
+    r = run_point(spec("tiny", **FAST), timeout_s=60)
+    assert r["status"] == "crash" and r["exit_code"] == -signal.SIGABRT
+    assert r["error"].endswith("after it had reported its results (in the process group's teardown)")
+
+
 @pytest.mark.slow  # 15 s; test_a_hung_rank_is_a_timeout_that_names_it covers a hung rank by default
 def test_rank_that_blocks_forever(monkeypatch, no_leftovers):
     inject(monkeypatch, lambda: time.sleep(10_000))
