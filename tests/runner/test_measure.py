@@ -200,3 +200,30 @@ def test_tracker_counts_what_mem_tracker_counts_without_per_module_statistics():
     # temporaries.
     assert all(ours["peak"][c] > 0 for c in ("Parameter", "Optstate", "Activation", "Temp"))
     assert theirs["module_snapshots"] > 0 and ours["module_snapshots"] == 0
+
+
+def test_the_tracker_lets_a_leaf_input_go_after_its_backward():
+    """A module's input that is a leaf and not a parameter (a slice of the chunked loss, a view of the
+    whole hidden states) must not outlive its backward because the tracker watched it: ModTracker's
+    input hook keeps the leaf's grad accumulator, which holds the leaf, in a cycle through C++
+    (``tracker._input_hooks_released``). Before the fix the slice's view kept the whole base
+    allocated: every micro-batch's hidden states stayed to the end of a tracked step."""
+    import torch
+    from torch import nn
+
+    from harness.runner.measure.tracker import _tracker_class
+
+    def uses(t: torch.Tensor) -> int:  # tensors sharing t's storage (a view counts one)
+        return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+    lin = nn.Linear(16, 16)
+    tracker = _tracker_class()()
+    tracker.track_external(lin)
+    with tracker:
+        base = torch.randn(64, 16)
+        alone = uses(base)
+        x = base[:32].requires_grad_()  # a leaf view, as the loss's slices are
+        lin(x).sum().backward()
+        assert uses(base) == alone + 1
+        del x
+        assert uses(base) == alone
