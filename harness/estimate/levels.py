@@ -161,14 +161,15 @@ def allocator_capacity_bytes(est) -> int:
     return max(1, est.capacity_bytes - est.outside_allocator_bytes)
 
 
-def verdict_bytes(est, calibration=None) -> int:
+def verdict_bytes(est, calibration=None, *, allocated: int | None = None) -> int:
     """The device level a verdict is judged on, for an :class:`~harness.estimate.core.Estimate`:
     uncalibrated, the estimate's own; with a calibration profile, its allocated peak, its fitted
     fragmentation where it has one (else the estimate's reserved terms), and the memory outside the
-    allocator."""
+    allocator. ``allocated``: the profile's allocated peak of ``est`` where the caller has it."""
     if calibration is None:
         return est.device_total_bytes
-    allocated = calibration.total_bytes(est)
+    if allocated is None:
+        allocated = calibration.total_bytes(est)
     reserved = getattr(calibration, "reserved_bytes", lambda _: None)(est)
     if reserved is None:
         reserved = allocated + est.reserved_total_bytes - est.total_bytes

@@ -305,7 +305,7 @@ def plan_row(spec: RunSpec, opts: PlanOptions, *, stages=None, timer=None) -> Pl
     user names, whether or not plan's lists hold it). ``timer``: the step-time model where it applies."""
     est = estimate_canonical(spec, engine=opts.engine, stages=stages)
     calibrated = None if opts.calibration is None else opts.calibration.total_bytes(est)
-    device = verdict_bytes(est, opts.calibration)
+    device = verdict_bytes(est, opts.calibration, allocated=calibrated)
     fits = device / est.capacity_bytes <= opts.threshold
     timed = {}
     if fits and timer is not None:

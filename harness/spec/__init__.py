@@ -7,6 +7,7 @@ May import: the standard library only. Everything else in harness imports from h
 
 from harness.spec.identity import (
     canonical,
+    canonical_config_id,
     canonical_form,
     config_id,
     flat,
@@ -59,6 +60,7 @@ __all__ = [
     "balanced_pp_layers",
     "busiest_stage_view",
     "canonical",
+    "canonical_config_id",
     "canonical_form",
     "chunk_layer_ranges",
     "config_id",

@@ -145,7 +145,13 @@ def config_id(spec: RunSpec) -> str:
     The model and device are hashed by their fields, not their preset names, so renaming a preset
     keeps ids; the device's interconnect figures (used only to rank layouts) are left out.
     """
-    spec = canonical(spec)
+    return canonical_config_id(canonical(spec))
+
+
+def canonical_config_id(spec: RunSpec) -> str:
+    """:func:`config_id` of a valid spec in canonical form (``canonical_form`` of it), without
+    validating it again: ``plan`` names thousands of layouts it has estimated, and validating each
+    again was half of its JSON output's time."""
     payload = {
         "v": CONFIG_ID_VERSION,
         "model": {k: v for k, v in _hashed("model", spec.model).items() if k != "name"},

@@ -23,6 +23,16 @@ def test_candidates_are_canonical_and_cover_every_degree_split():
             assert canonical_form(s) == s
 
 
+def test_plan_names_each_layout_by_its_config_id():
+    # The JSON output names rows without validating them again (canonical_config_id): the same ids.
+    from harness.cli.render.plan import plan_json
+    from harness.spec import config_id
+
+    result = plan(spec("tiny"), PlanOptions(gpus=4))
+    rows = plan_json(result, PlanOptions(gpus=4))["layouts"]
+    assert rows and [r["config_id"] for r in rows] == [config_id(r.estimate.spec) for r in result.fitting]
+
+
 def test_groups_share_validity():
     # plan validates one spec per group: every member must agree with it.
     for group in candidate_groups(spec("tiny"), PlanOptions(gpus=8)):

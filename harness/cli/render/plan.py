@@ -8,7 +8,7 @@ from typing import Any
 
 from harness.cli.render.common import _legend, human, layout_line, recompute_label, train_line
 from harness.estimate.plan import PlanOptions, PlanResult, PlanRow
-from harness.spec import config_id
+from harness.spec import canonical_config_id, canonical_form
 
 PLAN_LEGEND = (
     "mbs micro-batch size; m micro-batches per step; sched 1f1b, gpipe or int1f1b/v (interleaved 1F1B, "
@@ -38,7 +38,8 @@ def _row_fields(row: PlanRow) -> dict[str, Any]:
     spec = row.estimate.spec
     p, t = spec.parallel, spec.train
     out = {
-        "config_id": config_id(spec),
+        # (every row was estimated, so valid: its id without validating it again)
+        "config_id": canonical_config_id(canonical_form(spec)),
         "parallel_dp": p.dp,
         "parallel_tp": p.tp,
         "parallel_pp": p.pp,
