@@ -211,7 +211,7 @@ def dominant_stages(p: ParallelSpec, t: TrainSpec) -> tuple[int, ...]:
     return tuple(sorted(stages))
 
 
-def pipeline_last_backward(
+def pipeline_first_backward(
     spec: RunSpec,
     stage: int,
     terms: dict[str, int],
@@ -224,14 +224,19 @@ def pipeline_last_backward(
 ) -> int:
     """A pipeline stage whose usual peak comes before any backward (``states.torch_grads_at_peak``
     "none": the end of 1F1B's warm-up with every in-flight micro-batch, GPipe's forwards): a later
-    candidate in its last micro-batch's backward, with every gradient the earlier backwards made
-    (FP32 and unsharded under FSDP2, which reduces after the last one) beside that micro-batch's
-    activations and kept stage output alone — one model chunk in flight instead of all — and the same
-    working sets. It wins where the stage's gradients outweigh the chunks the earlier backwards freed:
-    a mixture of experts (many parameters, few activations per token) under ``op``, whose kept outputs
-    are few.
+    candidate at the end of its first backward, which made every gradient (FP32 and unsharded under
+    FSDP2, which reduces after the last one), beside the other micro-batches' activations and kept
+    stage outputs — one model chunk fewer than at the warm-up's end — and the same working sets
+    (interleaved: at its last backward, which made the last chunk's gradients, beside that chunk's
+    activations alone). It wins where the stage's gradients outweigh one chunk: a mixture of experts
+    (many parameters, few activations per token) under ``op``; a large dense stage with short
+    micro-batches.
     Found on ``tiny_moe``, pp 2, 2 micro-batches, op, FP32 (stage 0 measured 4.3 % above the warm-up
-    candidate, at the end of backward with every gradient made). What it adds goes into
+    candidate, at the end of backward with every gradient made), where the last backward and the
+    first are one moment. With more micro-batches they are not: Llama-2-70B, tp 4 × pp 8 × cp 2,
+    ZeRO-0, 8 micro-batches (the H100 paper grid), stage 0 traced 73,744 MiB with 7 micro-batches'
+    activations and 9,161 MiB of gradients at its peak, where this candidate at the last backward
+    (one chunk) left the warm-up's 69,398 MiB standing (-5.9 %). What it adds goes into
     ``grad_reduce`` (gradient memory of backward beyond the states, as in
     :func:`replicated_embedding_grad`), and only where it can set the stage's peak: it adds at most the
     gradients, so where the optimizer step's candidate exceeds the forward/backward terms by more, it is
@@ -257,7 +262,11 @@ def pipeline_last_backward(
     )
     outputs = pipe.pipeline_stage_outputs(m, p, t, stage=stage, engine="torch", autocast=autocast)
     per_chunk = (held - working + outputs) // inflight  # its activations and its kept stage output
-    more = max(0, base + grads - (inflight - 1) * per_chunk - buffers)
+    # One model chunk per stage: the first backward makes every gradient and frees one chunk, and no
+    # forward follows (the stage's micro-batches are all in flight). Interleaved, a backward makes
+    # only its chunk's gradients: every one exists at the last backward, beside its chunk alone.
+    freed = 1 if p.virtual_stages == 1 else inflight - 1
+    more = max(0, base + grads - freed * per_chunk - buffers)
     terms["grad_reduce"] += more
     return buffers + more
 
@@ -282,7 +291,7 @@ def fsdp_pipeline_first_backward(
     Traced on a real CPU run (``tiny``, tp 2 × pp 2 × cp 2, ZeRO-3, BF16, 2 micro-batches): stage 0's
     peak is there, a 1 MiB BF16 and a 2 MiB FP32 whole embedding gradient among the FP32 unsharded
     block gradients and the second micro-batch's activations (7.2 % under the warm-up candidate).
-    Taken, like :func:`pipeline_last_backward`, against ``base``: what it holds above the buffers as they
+    Taken, like :func:`pipeline_first_backward`, against ``base``: what it holds above the buffers as they
     are goes into ``grad_reduce``. Returns the forward/backward buffers' new sum."""
     m, p, t = spec.model, spec.parallel, spec.train
     if t.num_microbatches < 2 or p.pp_schedule == "gpipe" or p.virtual_stages > 1:

@@ -14,7 +14,7 @@ from harness.estimate.params import expert_params, param_numels, stage_params, z
 from harness.estimate.peaks import (
     fsdp_last_stage_peaks,
     fsdp_pipeline_first_backward,
-    pipeline_last_backward,
+    pipeline_first_backward,
     replicated_embedding_extra,
     replicated_embedding_grad,
     sequence_parallel_forward_end,
@@ -310,7 +310,7 @@ def stage_estimate(spec: RunSpec, stage: int, engine: str) -> StageEstimate:
         )
     if engine == "torch" and p.pp > 1 and grads == "none":
         # A candidate of its own, against the same terms as the replicated embedding's: the larger wins.
-        buffers = pipeline_last_backward(
+        buffers = pipeline_first_backward(
             spec, stage, terms, base, buffers, activations, fused_norm=fused_norm, autocast=layout[-1]
         )
     return StageEstimate(stage, terms, states + max(buffers + activations, step))

@@ -238,7 +238,7 @@ MEMORY_POINTS = {
     "pp2-bf16": dict(train_precision="bf16", parallel_pp=2, train_num_microbatches=2),
     "cp2-fp32": dict(train_precision="fp32", parallel_cp=2),
     # torchtitan's op policy over the experts' matmuls (moe.moe_op_bytes); under a pipeline, stage 0's
-    # last backward with every gradient made (peaks.pipeline_last_backward; 4.3 % above before it)
+    # first backward with every gradient made (peaks.pipeline_first_backward; 4.3 % above before it)
     "op-bf16": dict(train_precision="bf16", train_recompute="op"),
     "op-pp2-fp32": dict(
         train_precision="fp32", train_recompute="op", parallel_pp=2, train_num_microbatches=2

@@ -82,8 +82,8 @@ def test_as_many_micro_batches_as_stages_puts_the_gradient_at_the_step():
     assert terms["step_grads"] == 4 * n + 1 * MIB
     # Two later candidates, the larger wins (they once added up). The second backward's end frees both
     # micro-batches (2 − min(2 − 1, 2 − 2) = 2 of 2) and the blocks' backward working set and holds
-    # every gradient (4·n + 1 MiB) and the new embedding gradient (2 MiB). The last micro-batch's block
-    # backward (peaks.pipeline_last_backward) holds every gradient beside that micro-batch's activations
+    # every gradient (4·n + 1 MiB) and the new embedding gradient (2 MiB). The first backward's end
+    # (peaks.pipeline_first_backward) holds every gradient beside the other micro-batch's activations
     # — 2 MiB, its 2 pairs of rotary tables, its kept stage output (65,536 B) — and the working set,
     # which the other has given up: the larger here, by the working set (2 · 256·176 · 2 B). What it
     # adds over the warm-up's peak: the gradients less the other micro-batch's chunk. A real CPU run
