@@ -14,6 +14,20 @@ from harness.spec import DeviceSpec, ModelSpec, ParallelSpec, RunSpec, TrainSpec
 SWEEPS = Path(__file__).resolve().parents[1] / "sweeps"
 
 
+def _single_threaded_test_process() -> None:
+    """The test process runs torch on one thread. Most tests fork ranks from it, and GNU OpenMP is not
+    fork-safe: once an operator here has started libgomp's thread pool (a 32 x 16 matmul does), every
+    rank forked later that runs a parallel region waits in it forever. Seen: after one in-process
+    test of the tracker, every later one-rank point of the suite hung in ``materialize`` (a copy's
+    parallel region, libgomp's barrier) until its timeout. The ranks set their own thread count."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
+_single_threaded_test_process()
+
+
 def preset(group: str, name: str) -> dict:
     return yaml.safe_load((SWEEPS / group / f"{name}.yaml").read_text())
 

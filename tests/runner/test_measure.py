@@ -202,12 +202,10 @@ def test_tracker_counts_what_mem_tracker_counts_without_per_module_statistics():
     assert theirs["module_snapshots"] > 0 and ours["module_snapshots"] == 0
 
 
-def test_the_tracker_lets_a_leaf_input_go_after_its_backward():
-    """A module's input that is a leaf and not a parameter (a slice of the chunked loss, a view of the
-    whole hidden states) must not outlive its backward because the tracker watched it: ModTracker's
-    input hook keeps the leaf's grad accumulator, which holds the leaf, in a cycle through C++
-    (``tracker._input_hooks_released``). Before the fix the slice's view kept the whole base
-    allocated: every micro-batch's hidden states stayed to the end of a tracked step."""
+def _leaf_input_storage_uses() -> tuple[int, int, int]:
+    """Tensors sharing a base's storage: alone, with a leaf view of it fed to a tracked module, and
+    after that view is deleted (in a fresh process: a matmul here would leave OpenMP threads in the
+    test process, and a rank forked from it later hangs in libgomp)."""
     import torch
     from torch import nn
 
@@ -224,6 +222,17 @@ def test_the_tracker_lets_a_leaf_input_go_after_its_backward():
         alone = uses(base)
         x = base[:32].requires_grad_()  # a leaf view, as the loss's slices are
         lin(x).sum().backward()
-        assert uses(base) == alone + 1
+        held = uses(base)
         del x
-        assert uses(base) == alone
+        return alone, held, uses(base)
+
+
+def test_the_tracker_lets_a_leaf_input_go_after_its_backward():
+    """A module's input that is a leaf and not a parameter (a slice of the chunked loss, a view of the
+    whole hidden states) must not outlive its backward because the tracker watched it: ModTracker's
+    input hook keeps the leaf's grad accumulator, which holds the leaf, in a cycle through C++
+    (``tracker._input_hooks_released``). Before the fix the slice's view kept the whole base
+    allocated: every micro-batch's hidden states stayed to the end of a tracked step."""
+    alone, held, after = in_fresh_process(_leaf_input_storage_uses)
+    assert held == alone + 1
+    assert after == alone
