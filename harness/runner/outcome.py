@@ -26,13 +26,16 @@ def _read(out_dir: Path, rank: int) -> dict[str, Any]:
         return {"rank": rank}
 
 
-def _last_log_line(out_dir: Path, rank: int) -> str:
+def _log_lines(out_dir: Path, rank: int) -> list[str]:
+    """The rank's log (its stdout and stderr), line by line; none where it is missing."""
     try:
-        lines = [
-            ln for ln in (out_dir / f"rank{rank}.log").read_text(errors="replace").splitlines() if ln.strip()
-        ]
+        return (out_dir / f"rank{rank}.log").read_text(errors="replace").splitlines()
     except OSError:
-        return ""
+        return []
+
+
+def _last_log_line(out_dir: Path, rank: int) -> str:
+    lines = [ln for ln in _log_lines(out_dir, rank) if ln.strip()]
     return lines[-1][:300] if lines else ""
 
 
@@ -45,21 +48,14 @@ NCCL_WATCHDOG = "Watchdog caught collective operation timeout"
 
 def _watchdog_line(out_dir: Path, rank: int) -> str | None:
     """The NCCL watchdog's timeout line in the rank's log, if it is there."""
-    try:
-        text = (out_dir / f"rank{rank}.log").read_text(errors="replace")
-    except OSError:
-        return None
-    return next((ln.strip()[:300] for ln in text.splitlines() if NCCL_WATCHDOG in ln), None)
+    return next((ln.strip()[:300] for ln in _log_lines(out_dir, rank) if NCCL_WATCHDOG in ln), None)
 
 
 def _fatal_lines(out_dir: Path, rank: int) -> str:
     """Why a rank died by a signal, from its log: a C++ ``terminate``'s exception (``what():``) and
     the innermost Python frame of the thread that took the signal (the worker points ``faulthandler``
     at the log). Empty when the log says nothing of it (a SIGKILL from outside)."""
-    try:
-        lines = (out_dir / f"rank{rank}.log").read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
+    lines = _log_lines(out_dir, rank)
     said = [ln.strip() for ln in lines if "terminate called" in ln or ln.strip().startswith("what():")]
     current = next((i for i, ln in enumerate(lines) if ln.startswith("Current thread")), None)
     if current is not None and current + 1 < len(lines) and lines[current + 1].strip():

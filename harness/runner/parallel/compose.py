@@ -100,6 +100,7 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
         if t.loss_chunks > 1 and mod.output is not None:
             mod.skip_head = True
     fsdp = p.zero_stage >= 2 and dp_cp is not None
+    head_sync = None
     if meta and not fsdp:  # DDP and replicate start from materialized parameters (DDP broadcasts them)
         materialize(modules, device, spec.model)
     if fsdp:
@@ -124,6 +125,7 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
                 experts_mesh=edp_mesh if ep_mesh is not None else None,
             )
     elif dp_cp is not None:
+        head_sync = dp_cp if t.loss_chunks > 1 else None  # (DDP ignores the head: sync_head_grad)
         modules = [
             apply_ddp(
                 mod,
@@ -143,7 +145,6 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
     bare = [getattr(m, "module", m) for m in modules]  # (inside DDP)
     heads = [m.output for m in bare if m.output is not None] if t.loss_chunks > 1 else []
     head = heads[0] if heads else None
-    ddp = dp_cp is not None and not fsdp and p.pp == 1  # (apply_ddp's branch above)
     params = [q for mod in modules for q in mod.parameters()]
     optimizer = make_optimizer(params, zero_stage=p.zero_stage, mesh=dp_cp, lr=LEARNING_RATE, eps=ADAM_EPS)
     schedule = None
@@ -180,7 +181,7 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
         shards=p.dp * p.cp,
         loss_chunks=t.loss_chunks,
         head=head,
-        head_sync=dp_cp if ddp and head is not None else None,
+        head_sync=head_sync,
     )
 
 
