@@ -2,12 +2,13 @@
 
 Replays a trace (``run.trace=true`` writes one per traced rank) through the allocator model
 (harness/alloc) and prints every segment opened by a request of at least ``--min-mib``, with the
-allocated and reserved level after it. With ``--at EVENT`` it also stops there and lists, for each
+allocated and reserved level after it. With ``--at EVENT`` (or ``--at peak``: the allocated peak) it
+also stops there and lists, for each
 segment of at least ``--segment-mib``, its free blocks and its live blocks grouped by size and by the
 event range that allocated them (``--ranges``: boundaries, e.g. the end of the first backward). How the
 reserved-level mechanisms in docs/gpu-memory.md were read from fake traces.
 
-  python scripts/segment_openings.py TRACE [--min-mib 100] [--at EVENT --segment-mib 2000 --ranges 3400]
+  python scripts/segment_openings.py TRACE [--min-mib 100] [--at EVENT|peak --segment-mib 2000 --ranges 3400]
 """
 
 from __future__ import annotations
@@ -22,16 +23,29 @@ from harness.alloc.trace import load_trace
 MIB = 1 << 20
 
 
+def peak_event(events: list[dict]) -> int:
+    """The event at which the allocated level peaks (the first, on ties)."""
+    a, live, best = CachingAllocator(), {}, (0, 0)
+    for i, e in enumerate(events):
+        if e["action"] == "alloc" and e["size"]:
+            live[e["addr"]] = a.malloc(e["size"], e.get("stream") or 0)
+            if a.allocated > best[0]:
+                best = (a.allocated, i)
+        elif e["action"] == "free_completed" and live.get(e["addr"]) is not None:
+            a.free_block(live.pop(e["addr"]))
+    return best[1]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace")
-    ap.add_argument("--min-mib", type=float, default=100.0, help="print segments opened by requests this large")
-    ap.add_argument("--at", type=int, default=None, help="stop before this event and list the large segments")
-    ap.add_argument("--segment-mib", type=float, default=1000.0, help="segments this large are listed at --at")
-    ap.add_argument("--ranges", type=int, nargs="*", default=[], help="event boundaries naming where blocks came from")
+    ap.add_argument("--min-mib", type=float, default=100.0, help="segments opened by requests this large")
+    ap.add_argument("--at", default=None, help="stop before this event (or 'peak'); list the large segments")
+    ap.add_argument("--segment-mib", type=float, default=1000.0, help="segments this large are listed")
+    ap.add_argument("--ranges", type=int, nargs="*", default=[], help="event boundaries of the phases")
     args = ap.parse_args()
     events = load_trace(args.trace)
-    stop = len(events) if args.at is None else args.at
+    stop = len(events) if args.at is None else peak_event(events) + 1 if args.at == "peak" else int(args.at)
     a = CachingAllocator()
     live: dict[int, object] = {}
     born: dict[int, tuple[int, int]] = {}
@@ -53,7 +67,8 @@ def main() -> None:
             b = live.pop(e["addr"])
             if b is not None:
                 a.free_block(b)
-    print(f"reserved {a.reserved / 2**30:.2f} GiB, allocated {a.allocated / 2**30:.2f} GiB after event {stop - 1}")
+    levels = f"reserved {a.reserved / 2**30:.2f} GiB, allocated {a.allocated / 2**30:.2f} GiB"
+    print(f"{levels} after event {stop - 1}")
     if args.at is None:
         return
     bounds = sorted(args.ranges)

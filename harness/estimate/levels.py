@@ -24,6 +24,7 @@ RESERVED_TERMS = (
     "reduce_stream",
     "fsdp_root",
     "loss_logits",
+    "recompute_packing",
     "optimizer_step_segments",
     "cublas_workspace",
 )

@@ -12,6 +12,7 @@ from harness.estimate.segments import (
     _place,
     fsdp_root_segments,
     loss_logits_segment,
+    recompute_packing_segments,
     reduce_stream_segments,
     segment_terms,
 )
@@ -127,6 +128,37 @@ def test_the_losss_cached_logits_only_in_a_compute_dtype_narrower_than_its_fp32_
         "llama3_8b", "h100_80gb", train_precision="bf16", **{**base, "parallel_pp": 2, "parallel_dp": 4}
     )
     assert loss_logits_segment(piped, 0) == loss_logits_segment(piped, 1) == 0
+
+
+def test_full_recomputation_packs_the_saved_inputs_into_freed_swiglu_blocks():
+    # torchtitan's stack, Llama-3-8B dp 8 ZeRO-3, s 8192, BF16, every block recomputed, traced (the
+    # allocated peak of one rank's replayed step, python scripts/segment_openings.py): three inputs of
+    # 256 / 512 / 768 MiB in each 896 / 1,792 / 2,688 MiB SwiGLU block, ten free remainders each.
+    full = {"parallel_dp": 8, "parallel_zero_stage": 3, "train_seq_len": 8192, "train_precision": "bf16"}
+    for mbs, remainder in ((4, 128), (8, 256), (12, 384)):
+        s = spec("llama3_8b", "h100_94gb", train_recompute="full", train_micro_batch_size=mbs, **full)
+        assert recompute_packing_segments(s, 0) == 10 * remainder * MiB, mbs
+        assert estimate(s).reserved_terms()["recompute_packing"] == 10 * remainder * MiB, mbs
+    # Llama-2-13B at micro-batch 6: two 480 MiB inputs per 1,296 MiB block; traced eighteen remainders of
+    # 336 MiB and one of 86 MiB, where the rule counts nineteen of 336 ((40 - 1) // 2)
+    s = spec("llama2_13b", "h100_94gb", train_recompute="full", train_micro_batch_size=6, **full)
+    assert recompute_packing_segments(s, 0) == 19 * 336 * MiB
+    # blocks that keep their SwiGLU tensors take the freed ones whole: no packing
+    for other in ({"train_recompute": "op"}, {"train_recompute": "none"}, {"train_recompute_every": 2}):
+        kw = {"train_recompute": "full", "train_micro_batch_size": 4, **full, **other}
+        assert recompute_packing_segments(spec("llama3_8b", "h100_94gb", **kw), 0) == 0, other
+    # tp 2 without sequence parallelism, traced: one whole input (256 MiB) per half SwiGLU block (448 MiB),
+    # twenty-nine remainders of 192 MiB, where the rule counts thirty-one
+    s = spec(
+        "llama3_8b",
+        "h100_94gb",
+        train_recompute="full",
+        train_micro_batch_size=4,
+        parallel_tp=2,
+        parallel_sequence_parallel=False,
+        **{**full, "parallel_dp": 4},
+    )
+    assert recompute_packing_segments(s, 0) == 31 * (448 - 256) * MiB
 
 
 _SPEC_8B_Z3 = {

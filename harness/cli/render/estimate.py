@@ -13,6 +13,7 @@ SEGMENT_LABELS = (
     ("reduce_stream", "gradient-reduction stream"),
     ("fsdp_root", "FSDP2 root unit's cached blocks"),
     ("loss_logits", "the loss's cached logits"),
+    ("recompute_packing", "recomputed blocks' inputs packed into freed blocks"),
     ("optimizer_step_segments", "optimizer step's new segments"),
 )
 
