@@ -25,6 +25,12 @@ the experts' outputs (so the router trains). With a random initialisation the le
 route a different, unrepeatable share to each expert; here the most-loaded expert (expert 0) takes
 ``moe_imbalance`` times the balanced share T·k/E and the others split the rest evenly. Dropless:
 no token is dropped, whatever the imbalance.
+
+The load-balancing loss (``model.moe_aux_loss_coeff`` > 0) trains the router toward balance as
+Megatron's and Hugging Face's auxiliary loss does; the routing above stays as it is (the scores still
+weight the outputs). Its gradient joins in backward (:class:`_LoadBalancingLoss`); it keeps no tensor
+the router does not keep already (the scores' mean needs only their shape in backward), so it adds no
+memory term.
 """
 
 from __future__ import annotations
@@ -54,6 +60,26 @@ class _ScatterAdd(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (index,) = ctx.saved_tensors
         return grad.index_select(0, index), None, None
+
+
+class _LoadBalancingLoss(torch.autograd.Function):
+    """Megatron's ``MoEAuxLossAutoScaler`` (megatron/core/transformer/moe/moe_utils.py): the layer's output
+    unchanged, and in backward the load-balancing loss's gradient ``scale``, the training loop's own
+    scale of the loss (1/micro-batches, or 1 where the pipeline schedule scales the gradients), as if
+    the loss had been added to the language-model loss. So no loss value crosses a pipeline stage, and
+    the reported loss stays the language model's (Megatron logs the load-balancing loss apart).
+    Written here because torch has no such op; it keeps the 0-d loss only."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(aux)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.scale), None
 
 
 class Experts(nn.ModuleDict):
@@ -103,6 +129,11 @@ class MoE(nn.Module):
         shared = m.moe_ffn_hidden_size * m.num_shared_experts
         self.shared = feed_forward(m, ffn_hidden_size=shared) if shared else None
         self.table = routing_table(m.num_experts, m.experts_per_token, imbalance)
+        # The load-balancing loss (``model.moe_aux_loss_coeff``): its coefficient, and the training
+        # loop's scale of the loss, which harness/runner/parallel/compose.py sets (set_aux_loss_scale).
+        self.aux_loss_coeff = m.moe_aux_loss_coeff
+        self.aux_loss_scale = 1.0
+        self._shares: dict[torch.device, torch.Tensor] = {}
         # The global positions of this rank's tokens (None: 0 … s − 1); context parallelism sets them.
         self.positions: list[int] | None = None
         self._counts: dict[tuple[int, int], list[int]] = {}
@@ -120,6 +151,23 @@ class MoE(nn.Module):
         if (batch, seq) not in self._counts:
             self._counts[(batch, seq)] = expert_counts(self.table, positions, batch)
         return self._ids[(seq, device)].repeat(batch, 1), self._counts[(batch, seq)]
+
+    def load_balancing_loss(self, scores: torch.Tensor) -> torch.Tensor:
+        """Switch Transformer's loss (Fedus et al. 2022, eq. 4; Megatron's
+        ``switch_load_balancing_loss_func``): coefficient · E · Σ_i f_i · P_i, P_i the router's mean
+        probability for expert i over this rank's tokens, f_i expert i's share of the routed rows. Here
+        f_i is the share the deterministic routing gives it (the routing table's: one period of E
+        positions), the same on every rank: the mean over the data- and context-parallel ranks, which
+        the gradients' averaging takes, is then the loss of the whole batch (Megatron's global variant),
+        so every layout trains as one rank would."""
+        shares = self._shares.get(scores.device)
+        if shares is None:
+            counts = expert_counts(self.table, list(range(len(self.table))), 1)
+            total = sum(counts)
+            shares = self._shares[scores.device] = torch.tensor(
+                [c / total for c in counts], dtype=torch.float32, device=scores.device
+            )
+        return self.aux_loss_coeff * self.num_experts * (scores.mean(dim=0) * shares).sum()
 
     def shard_experts(self, group, *, rank: int, size: int, sources: list[list[int]]) -> None:
         """Keep experts rank·E/size … (rank + 1)·E/size − 1 (expert parallelism) and route over ``group``;
@@ -188,4 +236,6 @@ class MoE(nn.Module):
         weighted = out.float() * gates.flatten().index_select(0, order).unsqueeze(1)
         combined = _ScatterAdd.apply(weighted, tokens, b * s)
         y = combined.to(x.dtype).view(b, s, h)
+        if self.aux_loss_coeff:
+            y = _LoadBalancingLoss.apply(y, self.load_balancing_loss(scores), self.aux_loss_scale)
         return y + self.shared(x) if self.shared is not None else y

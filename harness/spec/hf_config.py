@@ -207,6 +207,11 @@ def _moe_fields(cfg: dict[str, Any], model_type: str, where: str) -> dict[str, A
             f"{where}: cannot model shared_expert_intermediate_size {shared_width!r}: not a whole number of "
             f"experts of {ffn}"
         )
+    # transformers adds the load-balancing loss (router_aux_loss_coef x its load_balancing_loss_func)
+    # only where output_router_logits is true; the published configs say false
+    coeff = cfg.get("router_aux_loss_coef", 0.0) if cfg.get("output_router_logits") is True else 0.0
+    if not isinstance(coeff, (int, float)) or isinstance(coeff, bool) or not coeff >= 0:
+        raise HFConfigError(f"{where}: router_aux_loss_coef={coeff!r} must be a number >= 0")
     return {
         "num_experts": experts,
         "experts_per_token": top_k,
@@ -214,4 +219,5 @@ def _moe_fields(cfg: dict[str, Any], model_type: str, where: str) -> dict[str, A
         "num_shared_experts": shared_width // ffn,
         "moe_router": "softmax",
         "moe_norm_topk": norm,
+        "moe_aux_loss_coeff": float(coeff),
     }

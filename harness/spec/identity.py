@@ -108,6 +108,9 @@ def canonical_form(spec: RunSpec) -> RunSpec:
         model = _dense(model)
     if model.head_dim is not None and model.head_dim * model.num_heads == model.hidden_size:
         model = dataclasses.replace(model, head_dim=None)  # the default head size, spelled out
+    coeff = model.moe_aux_loss_coeff
+    if model.num_experts and type(coeff) is not float:  # (an int 0 is 0.0: one id)
+        model = dataclasses.replace(model, moe_aux_loss_coeff=float(coeff))
     imbalance = float(t.moe_imbalance) if model.num_experts else 1.0  # (an int 2 is 2.0: one id)
     if imbalance != t.moe_imbalance or type(t.moe_imbalance) is not float:
         t = dataclasses.replace(t, moe_imbalance=imbalance)
@@ -121,6 +124,7 @@ MOE_FIELDS = (
     "num_shared_experts",
     "moe_router",
     "moe_norm_topk",
+    "moe_aux_loss_coeff",
 )
 
 

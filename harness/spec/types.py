@@ -43,6 +43,7 @@ ADDED_FIELD_DEFAULTS = {
         "num_shared_experts": 0,
         "moe_router": "softmax",
         "moe_norm_topk": True,
+        "moe_aux_loss_coeff": 0.0,
         "head_dim": None,
         "qk_norm": False,
     },
@@ -87,7 +88,8 @@ class ModelSpec:
     is a mixture of experts (harness/runner/moe.py): a router over ``num_experts`` SwiGLU experts of
     ``moe_ffn_hidden_size``, ``experts_per_token`` of them per token, the top-k gate values normalised
     to sum 1 where ``moe_norm_topk``, plus ``num_shared_experts`` (one SwiGLU of their summed width on
-    every token); ``ffn_hidden_size`` is then unused. The canonical form resets the MoE fields of a
+    every token), and a load-balancing loss of ``moe_aux_loss_coeff`` where it is > 0;
+    ``ffn_hidden_size`` is then unused. The canonical form resets the MoE fields of a
     dense model."""
 
     name: str
@@ -105,6 +107,9 @@ class ModelSpec:
     num_shared_experts: int = 0
     moe_router: str = "softmax"
     moe_norm_topk: bool = True
+    # The load-balancing (auxiliary) loss's coefficient (Megatron's --moe-aux-loss-coeff, Hugging Face's
+    # router_aux_loss_coef); 0: none (torchtitan's default balances with a bias outside the step).
+    moe_aux_loss_coeff: float = 0.0
     # Qwen3's attention: a head size of its own (None: hidden_size / num_heads; canonical: None where it
     # is that) and RMSNorm of each query and key head before the rotary embedding (``qk_norm``).
     head_dim: int | None = None

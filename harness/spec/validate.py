@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import fields
 from typing import Any
 
@@ -99,6 +100,8 @@ def _moe_problems(spec: RunSpec) -> list[str]:
         out.append(f"model.num_shared_experts={m.num_shared_experts} must be >= 0")
     if m.moe_router not in MOE_ROUTERS:
         out.append(f"model.moe_router={m.moe_router!r} must be one of {', '.join(MOE_ROUTERS)}")
+    if not (math.isfinite(m.moe_aux_loss_coeff) and m.moe_aux_loss_coeff >= 0):
+        out.append(f"model.moe_aux_loss_coeff={m.moe_aux_loss_coeff} must be a finite number >= 0")
     if 1 <= k <= e:
         hot = t.moe_imbalance * k
         if not (hot == round(hot) and k <= hot <= e):

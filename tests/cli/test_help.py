@@ -183,13 +183,20 @@ def test_a_local_config_json_gives_the_preset_estimate(tmp_path, capsys):
 
 def test_a_mixtral_config_json_is_the_mixtral_preset(tmp_path, capsys):
     # issue 27: Mixtral's fields (num_local_experts, num_experts_per_tok, experts of intermediate_size)
-    mixtral = _config(
-        tmp_path, model_type="mixtral", num_local_experts=8, num_experts_per_tok=2, vocab_size=32000
-    )
+    # its published config.json carries router_aux_loss_coef 0.02 with output_router_logits false, under
+    # which transformers adds no load-balancing loss
+    shape = dict(model_type="mixtral", num_local_experts=8, num_experts_per_tok=2, vocab_size=32000)
+    mixtral = _config(tmp_path, **shape, router_aux_loss_coef=0.02, output_router_logits=False)
     assert main(["estimate", f"model.hf_config={mixtral}", "format=json"]) == 0
     mine = json.loads(capsys.readouterr().out)
     assert main(["estimate", "model=mixtral_8x7b", "format=json"]) == 0
     assert mine["config_id"] == json.loads(capsys.readouterr().out)["config_id"]
+    # training with it: model.moe_aux_loss_coeff, another configuration
+    trained = _config(tmp_path, **shape, router_aux_loss_coef=0.02, output_router_logits=True)
+    assert main(["estimate", f"model.hf_config={trained}", "--cfg", "job"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["model"]["moe_aux_loss_coeff"] == 0.02
+    assert main(["estimate", f"model.hf_config={trained}", "format=json"]) == 0
+    assert json.loads(capsys.readouterr().out)["config_id"] != mine["config_id"]
 
 
 @pytest.mark.parametrize(

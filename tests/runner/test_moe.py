@@ -36,7 +36,7 @@ def test_a_moe_spec_is_checked_with_its_arithmetic():
     s = spec("tiny_moe")
     bad = dataclasses.replace(
         s,
-        model=dataclasses.replace(s.model, experts_per_token=9, moe_router="top1"),
+        model=dataclasses.replace(s.model, experts_per_token=9, moe_router="top1", moe_aux_loss_coeff=-0.1),
         parallel=dataclasses.replace(s.parallel, tp=2, world_size=None),
     )
     with pytest.raises(InvalidSpec) as err:
@@ -44,6 +44,7 @@ def test_a_moe_spec_is_checked_with_its_arithmetic():
     assert err.value.reasons == [
         "model.experts_per_token=9 must be from 1 to num_experts 8",
         "model.moe_router='top1' must be one of softmax, sigmoid",
+        "model.moe_aux_loss_coeff=-0.1 must be a finite number >= 0",
         "tensor parallelism of expert layers is not built yet (issue 27): tp 2 with num_experts 8",
     ]
     with pytest.raises(
@@ -81,11 +82,17 @@ def test_a_moe_spec_is_checked_with_its_arithmetic():
     )
     # A dense model's expert fields have no effect: the same config_id whatever they hold.
     dense = spec("tiny")
-    moe_fields = dataclasses.replace(dense.model, experts_per_token=4, moe_ffn_hidden_size=7)
+    moe_fields = dataclasses.replace(
+        dense.model, experts_per_token=4, moe_ffn_hidden_size=7, moe_aux_loss_coeff=0.01
+    )
     stray = dataclasses.replace(
         dense, model=moe_fields, train=dataclasses.replace(dense.train, moe_imbalance=3.0)
     )
     assert config_id(stray) == config_id(dense)
+    # No load-balancing loss is every existing run (the field is not hashed at 0.0, and an int 0 is 0.0).
+    assert config_id(
+        canonical(dataclasses.replace(s, model=dataclasses.replace(s.model, moe_aux_loss_coeff=0)))
+    ) == config_id(s)
 
 
 def test_the_moe_presets_have_their_published_parameter_counts():
@@ -104,6 +111,10 @@ COMMON = dict(train_precision="fp32", train_steps=3, train_seq_len=64)
 
 
 def _run(model_overrides: dict | None = None, **kw) -> list[float]:
+    return _record(model_overrides, **kw)["losses"]
+
+
+def _record(model_overrides: dict | None = None, **kw) -> dict:
     mp = pytest.MonkeyPatch()
     mp.setattr(compose, "ADAM_EPS", 1.0)  # gradient-sensitive steps (tests/runner/test_runner_parallel.py)
     mp.setattr(compose, "LEARNING_RATE", 2.0)
@@ -115,7 +126,7 @@ def _run(model_overrides: dict | None = None, **kw) -> list[float]:
     finally:
         mp.undo()
     assert record["status"] == "ok", record["error"]
-    return record["losses"]
+    return record
 
 
 # Qwen3-MoE's attention: a head size of its own (64 where h/a is 32) and query/key norms
@@ -123,14 +134,25 @@ QWEN3_LIKE = dict(head_dim=64, qk_norm=True, experts_per_token=4)
 VARIANTS = {
     "top2": None,
     "shared-sigmoid-top3": dict(num_shared_experts=1, moe_router="sigmoid", experts_per_token=3),
+    "qwen3-like": QWEN3_LIKE,
+    # the load-balancing loss, under a routing it can pull on (a balanced one gives it no gradient:
+    # Σ f_i·P_i is 1/E whatever the router says when every f_i is 1/E)
+    "aux-loss": dict(moe_aux_loss_coeff=0.5),
 }
+# Training keys a variant runs with, in its reference and in every layout.
+VARIANT_TRAIN = {"aux-loss": dict(train_moe_imbalance=2.0)}
 
 
 class _References(dict):
     """Each variant's single-rank reference losses, run the first time a test asks for them."""
 
     def __missing__(self, variant: str) -> list[float]:
-        losses = _run(VARIANTS[variant], train_micro_batch_size=GLOBAL_BATCH, train_num_microbatches=1)
+        losses = _run(
+            VARIANTS[variant],
+            train_micro_batch_size=GLOBAL_BATCH,
+            train_num_microbatches=1,
+            **VARIANT_TRAIN.get(variant, {}),
+        )
         assert losses[1] < losses[0] - 0.05  # the steps train
         self[variant] = losses
         return losses
@@ -175,6 +197,8 @@ FAST = {
     ("qwen3-like", "cp2"),
     ("top2", "dp4-ep2-zero2"),
     ("shared-sigmoid-top3", "dp2-cp2-ep4-accumulate2"),
+    ("aux-loss", "dp2-cp2-ep4-accumulate2"),
+    ("aux-loss", "pp2-1f1b"),
 }
 CASES = [
     pytest.param(v, n, id=f"{v}-{n}", marks=() if (v, n) in FAST else pytest.mark.slow)
@@ -185,8 +209,20 @@ CASES = [
 
 @pytest.mark.parametrize(("variant", "name"), CASES)
 def test_moe_layout_matches_single_rank(references, variant, name):
-    losses = _run(VARIANTS[variant], **LAYOUTS[name])
+    losses = _run(VARIANTS[variant], **LAYOUTS[name], **VARIANT_TRAIN.get(variant, {}))
     assert losses == pytest.approx(references[variant], rel=RTOL), (losses, references[variant])
+
+
+def test_the_load_balancing_loss_trains_the_router_and_keeps_no_tensor():
+    """Its gradient reaches the router (the losses after the first step move), and it adds no memory
+    term: the measured peak is the run's without it to within the few (E,) FP32 tensors it makes."""
+    single = dict(train_micro_batch_size=GLOBAL_BATCH, train_num_microbatches=1, train_moe_imbalance=2.0)
+    without = _record(None, **single)
+    with_aux = _record(VARIANTS["aux-loss"], **single)
+    first, second = (with_aux["losses"][i] - without["losses"][i] for i in (0, 1))
+    assert abs(first) < 1e-6  # reported: the language model's loss alone
+    assert abs(second) > 1e-3, (with_aux["losses"], without["losses"])
+    assert abs(with_aux["peak_allocated_bytes"] - without["peak_allocated_bytes"]) <= 4096
 
 
 # ------------------------------------------------------------------ memory against the engine

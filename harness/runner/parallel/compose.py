@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from harness.runner.parallel.context import apply_cp
 from harness.runner.parallel.data import apply_ddp, apply_fsdp, apply_replicate, make_optimizer
-from harness.runner.parallel.expert import apply_ep, expert_meshes, sync_expert_grads
+from harness.runner.parallel.expert import apply_ep, expert_meshes, set_aux_loss_scale, sync_expert_grads
 from harness.runner.parallel.loss import PipelineLoss, chunked_loss, loss_fn
 from harness.runner.parallel.materialize import materialize, on_meta
 from harness.runner.parallel.pipeline import build_schedule, split_stage, stage_ids
@@ -96,6 +96,10 @@ def parallelize(model: nn.Module, spec: RunSpec, mesh: DeviceMesh, device: torch
             positions = apply_cp(mod, mesh["cp"], seq_len=t.seq_len, load_balance=p.cp_load_balance)
         if ep_mesh is not None:
             apply_ep(mod, ep_mesh, dp_cp, seq_len=t.seq_len, cp=p.cp, load_balance=p.cp_load_balance)
+        if spec.model.moe_aux_loss_coeff:
+            # the load-balancing loss's gradient at the loss's own scale: 1/micro-batches here, 1 where
+            # the pipeline schedule scales every gradient itself (scale_grads)
+            set_aux_loss_scale(mod, 1.0 if p.pp > 1 else 1 / t.num_microbatches)
         apply_recompute(mod, mode=t.recompute, every=t.recompute_every, method=t.recompute_method)
         if t.loss_chunks > 1 and mod.output is not None:
             mod.skip_head = True

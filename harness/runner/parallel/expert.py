@@ -41,6 +41,13 @@ def moe_blocks(model: nn.Module) -> list[nn.Module]:
     return [block.moe for block in model.layers.values() if block.mlp_name == "moe"]
 
 
+def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
+    """The scale the training loop gives the loss, for every MoE block's load-balancing loss
+    (harness/runner/moe.py ``_LoadBalancingLoss``)."""
+    for moe in moe_blocks(model):
+        moe.aux_loss_scale = scale
+
+
 def apply_ep(
     model: nn.Module, ep_mesh: DeviceMesh, dp_cp: DeviceMesh, *, seq_len: int, cp: int, load_balance: bool
 ) -> None:
