@@ -25,6 +25,7 @@ RESERVED_TERMS = (
     "fsdp_root",
     "loss_logits",
     "recompute_packing",
+    "recompute_working_set",
     "optimizer_step_segments",
     "cublas_workspace",
 )

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import Counter
 from functools import lru_cache
 
-from harness.estimate.activations import checkpointed_layers
+from harness.estimate.activations import checkpointed_layers, vocab_shards
 from harness.estimate.buffers import kept_head
 from harness.estimate.dtypes import elem_bytes, torch_autocast
 from harness.estimate.moe import routed_rows
@@ -182,6 +182,8 @@ def cached_blocks(spec: RunSpec, stage: int, terms: dict[str, int]) -> Counts:
     if terms.get("param_copies", 0):
         sets = max(1, round(terms["param_copies"] / max(1, 2 * sum(n * c for n, c in whole))))
     buffers = tuple(terms.get(k, 0) for k in CACHED_BUFFERS)
+    if recompute_working_set_segments(spec, stage, terms):  # the recomputed blocks' SwiGLU blocks
+        buffers += (swiglu_bytes(m, p, t),) * SWIGLU_WORKING_SET
     return _blocks(layer, copies, buffers, whole, grads_freed_before_step(p, t, stage), sets)
 
 
@@ -324,6 +326,12 @@ def loss_logits_segment(spec: RunSpec, stage: int) -> int:
     return _block(elem_bytes(t.precision) * t.seq_len * t.micro_batch_size * m.vocab_size // (p.tp * p.cp))
 
 
+def swiglu_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
+    """One SwiGLU tensor of a dense block (gate, up, their activation or product) on one rank, s·b·f/(t·c)
+    in the compute dtype: a block of its own."""
+    return elem_bytes(t.precision) * t.seq_len * t.micro_batch_size * m.ffn_hidden_size // (p.tp * p.cp)
+
+
 def recompute_packing_segments(spec: RunSpec, stage: int) -> int:
     """Full recomputation of every block: the bytes lost where the blocks' saved inputs are carved out
     of freed SwiGLU blocks. A checkpointed block's forward saves only its input (A, the residual
@@ -345,7 +353,7 @@ def recompute_packing_segments(spec: RunSpec, stage: int) -> int:
     if checkpointed_layers(m, p, t) < layers:
         return 0
     (saved,) = layer_tensors(m, p, t, autocast=torch_autocast(p, t))
-    working = elem_bytes(t.precision) * t.seq_len * t.micro_batch_size * m.ffn_hidden_size // (p.tp * p.cp)
+    working = swiglu_bytes(m, p, t)
     if saved < KMIN_LARGE_ALLOC or working < KMIN_LARGE_ALLOC:
         return 0  # blocks that share 20 MiB segments: not this mechanism
     block, request = _segment(working), -(-saved // KMIN_BLOCK) * KMIN_BLOCK
@@ -353,6 +361,44 @@ def recompute_packing_segments(spec: RunSpec, stage: int) -> int:
     if k == 0:
         return 0
     return (layers - 1) // k * (block - k * request)
+
+
+# The SwiGLU tensors alive at once in a checkpointed block's forward (gate and up; the gate's activation
+# once the gate is freed; their product), each a block of its own. Traced: three free 896, 1,792 or
+# 2,688 MiB blocks at the loss of Llama-3-8B dp 8 ZeRO-3 at micro-batch 4, 8 and 12 (below).
+SWIGLU_WORKING_SET = 3
+
+
+def recompute_working_set_segments(spec: RunSpec, stage: int, terms: dict[str, int]) -> int:
+    """Full recomputation of every block, the peak at the loss: the last block's SwiGLU working set
+    (:data:`SWIGLU_WORKING_SET` blocks of T = s·b·f/(t·c), :func:`recompute_packing_segments`) is cached
+    and free, since the loss's vocabulary-sized blocks are larger than T. Only the loss's requests that
+    are smaller take from them: torchtitan's kept head unit's copy in the compute dtype
+    (:func:`~harness.estimate.buffers.kept_head`) and the chunked loss's FP32 head gradient, each into
+    the smallest block that holds it. Read at the allocated peak of fake traces (torchtitan's stack,
+    Llama-3-8B dp 8 ZeRO-3, s 8192, full recomputation): at micro-batch 4 three free 896 MiB blocks
+    (the 1,002 MiB copy does not fit), at 8 two of 1,792 MiB and 790 MiB beside the copy, at 12 one of
+    2,688 MiB, 1,686 beside the copy and 684 beside the 2,004 MiB gradient; cp 2 at micro-batch 4,
+    three of 448 MiB; this runner's stack (unchunked) at micro-batch 4, three of 896 MiB. 0 under the
+    conditions of :func:`recompute_packing_segments`, where the peak is not at the loss (no ``loss``
+    term: Llama-2-13B at micro-batch 6 peaks in the last block's MLP, its working set in use), and where
+    the loss's logits (per slice, in the compute dtype) fit a T block (the loss takes the blocks)."""
+    m, p, t = spec.model, spec.parallel, spec.train
+    if not recompute_packing_segments(spec, stage) or not terms.get("loss", 0):
+        return 0
+    e = elem_bytes(t.precision)
+    working = _segment(swiglu_bytes(m, p, t))
+    logits = e * t.seq_len * t.micro_batch_size * m.vocab_size // vocab_shards(p, engine="torch")
+    if logits // t.loss_chunks <= working:
+        return 0
+    free = [working] * SWIGLU_WORKING_SET
+    head_grad = 4 * m.vocab_size * m.hidden_size // p.tp if t.loss_chunks > 1 else 0
+    for size in (e * kept_head(m, p), head_grad):
+        fits = [i for i, room in enumerate(free) if room >= size > 0]
+        if fits:
+            best = min(fits, key=lambda i: free[i])
+            free[best] -= -(-size // KMIN_BLOCK) * KMIN_BLOCK
+    return sum(free)
 
 
 def fsdp_root_segments(spec: RunSpec, stage: int) -> int:
@@ -432,16 +478,18 @@ def segment_terms(spec: RunSpec, stage: int, terms: dict[str, int]) -> dict[str,
     root = fsdp_root_segments(spec, stage)
     logits = loss_logits_segment(spec, stage)
     packing = recompute_packing_segments(spec, stage)
+    working = recompute_working_set_segments(spec, stage, terms)
     opened = 0
     if terms.get("optimizer_step", 0):  # 0 for megatron's fused Adam, which allocates none
         opened = _place(cached_blocks(spec, stage, terms), step_temporaries(spec, stage))
-    extra = max(0, fb + reduce + root + logits + packing + opened - max(fb, step))
+    extra = max(0, fb + reduce + root + logits + packing + working + opened - max(fb, step))
     out = {}
     in_order = (
         ("reduce_stream", reduce),
         ("fsdp_root", root),
         ("loss_logits", logits),
         ("recompute_packing", packing),
+        ("recompute_working_set", working),
     )
     for name, value in in_order:
         out[name] = min(value, extra)
@@ -457,6 +505,7 @@ def segment_terms_bound(spec: RunSpec, stage: int, terms: dict[str, int]) -> int
         + fsdp_root_segments(spec, stage)
         + loss_logits_segment(spec, stage)
         + recompute_packing_segments(spec, stage)
+        + recompute_working_set_segments(spec, stage, terms)
     )
     if not terms.get("optimizer_step", 0):
         return fixed

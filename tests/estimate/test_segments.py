@@ -13,6 +13,7 @@ from harness.estimate.segments import (
     fsdp_root_segments,
     loss_logits_segment,
     recompute_packing_segments,
+    recompute_working_set_segments,
     reduce_stream_segments,
     segment_terms,
 )
@@ -159,6 +160,26 @@ def test_full_recomputation_packs_the_saved_inputs_into_freed_swiglu_blocks():
         **{**full, "parallel_dp": 4},
     )
     assert recompute_packing_segments(s, 0) == 31 * (448 - 256) * MiB
+
+
+def test_the_last_blocks_working_set_is_free_at_the_loss_but_for_the_losss_smaller_requests():
+    # The same traces, at the allocated peak: three free SwiGLU blocks at micro-batch 4 (the kept head's
+    # 1,002 MiB BF16 copy does not fit 896 MiB); at 8 two of 1,792 MiB and 790 beside the copy; at 12
+    # one of 2,688, 1,686 beside the copy and 684 beside the chunked loss's 2,004 MiB FP32 head gradient.
+    full = {"parallel_dp": 8, "parallel_zero_stage": 3, "train_seq_len": 8192, "train_precision": "bf16"}
+    torchtitan = {"parallel_fsdp_reshard_after_forward": "default", "train_loss_chunks": 8, **full}
+    copy, grad = 1002 * MiB + 8 * 1024, 2004 * MiB  # (the copy holds the final norm's weight too)
+    for mbs, free in ((4, 3 * 896 * MiB), (8, 3 * 1792 * MiB - copy), (12, 3 * 2688 * MiB - copy - grad)):
+        s = spec("llama3_8b", "h100_94gb", train_recompute="full", train_micro_batch_size=mbs, **torchtitan)
+        est = estimate(s)
+        assert est.reserved_terms()["recompute_working_set"] == free, mbs
+        assert recompute_working_set_segments(s, 0, est.stages[0].terms) == free, mbs
+    # this runner's stack (unchunked, root resharded): three free 896 MiB blocks at micro-batch 4
+    s = spec("llama3_8b", "h100_94gb", train_recompute="full", train_micro_batch_size=4, **full)
+    assert estimate(s).reserved_terms()["recompute_working_set"] == 3 * 896 * MiB
+    # Llama-2-13B at micro-batch 6 peaks in the last block's MLP, before the loss: its working set in use
+    s = spec("llama2_13b", "h100_94gb", train_recompute="full", train_micro_batch_size=6, **torchtitan)
+    assert estimate(s).reserved_terms()["recompute_working_set"] == 0
 
 
 _SPEC_8B_Z3 = {

@@ -14,6 +14,7 @@ SEGMENT_LABELS = (
     ("fsdp_root", "FSDP2 root unit's cached blocks"),
     ("loss_logits", "the loss's cached logits"),
     ("recompute_packing", "recomputed blocks' inputs packed into freed blocks"),
+    ("recompute_working_set", "recomputed blocks' working set free at the loss"),
     ("optimizer_step_segments", "optimizer step's new segments"),
 )
 
