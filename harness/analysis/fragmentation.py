@@ -5,9 +5,10 @@ model from a CPU run's own trace (``sim_peak_reserved_bytes``, harness/alloc).
     reserved - allocated - mechanism ~ a x transient + b x states + c        (a, b, c >= 0)
 
 ``mechanism`` is what the estimator's reserved level already derives from the caching allocator's
-rules (harness/estimate/segments.py: segment rounding, the gradient-reduction stream's segments, the
-optimizer step's new segments; 0 on the CPU and for profiles fitted before it existed, whose
-``fragmentation`` section has no ``over_mechanism``): the fit learns only what those rules leave.
+rules (harness/estimate/segments.py and loss_cache.py: segment rounding, the gradient-reduction
+stream's segments, the blocks cached at the loss, the optimizer step's new segments; 0 on the CPU and
+for profiles fitted before it existed, whose ``fragmentation`` section has no ``over_mechanism``): the
+fit learns only what those rules leave.
 
 ``states`` are the estimate's parameters, gradients and optimizer state: allocated once, they leave few
 holes; ``transient`` is the rest of the estimated peak (activations and temporary buffers), freed and

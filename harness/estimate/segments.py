@@ -2,7 +2,9 @@
 the engine already counts, for what the rules open beyond the allocated peak.
 
 Found by replaying fake traces of the paper's grids and reading which segments the replay opened
-(docs/gpu-memory.md), two mechanisms, one term each:
+(docs/gpu-memory.md); the blocks cached and free at the loss's peak are terms of their own
+(:mod:`harness.estimate.loss_cache`: the loss's logits, FSDP2's outside units, full recomputation's
+packing and working set); here the two that come after it, one term each:
 
 - ``reduce_stream``: blocks are cached per stream (``get_pool``). The FP32 gradient blocks that
   ``replicate`` and FSDP2 allocate on their reduce stream (one per unit, alive until the optimizer step
@@ -31,20 +33,29 @@ from __future__ import annotations
 from collections import Counter
 from functools import lru_cache
 
-from harness.estimate.activations import checkpointed_layers, vocab_shards
+from harness.estimate.blocks import (
+    KLARGE_BUFFER,
+    KMIN_BLOCK,
+    KMIN_LARGE_ALLOC,
+    KSMALL_SIZE,
+    block_size,
+    layer_tensors,
+    segment_size,
+)
 from harness.estimate.buffers import kept_head
-from harness.estimate.dtypes import elem_bytes, torch_autocast
-from harness.estimate.moe import routed_rows
+from harness.estimate.dtypes import torch_autocast
+from harness.estimate.loss_cache import (
+    SWIGLU_WORKING_SET,
+    fsdp_root_segments,
+    loss_logits_segment,
+    recompute_packing_segments,
+    recompute_working_set_segments,
+    swiglu_bytes,
+)
 from harness.estimate.params import expert_params, layer_params, mlp_matrices, non_layer_params
 from harness.estimate.states import torch_grads_at_peak
 from harness.spec import ModelSpec, ParallelSpec, RunSpec, TrainSpec
 
-MIB = 1 << 20
-KSMALL_SIZE = MIB  # requests up to 1 MiB go to the small pool: never in the large pool's cache
-KMIN_LARGE_ALLOC = 10 * MIB
-KLARGE_BUFFER = 20 * MIB
-KROUND_LARGE = 2 * MIB
-KMIN_BLOCK = 512
 # Temporary buffers of the forward/backward peak, one block each (the terms of harness.estimate.stage).
 CACHED_BUFFERS = (
     "token_ids",
@@ -56,50 +67,6 @@ CACHED_BUFFERS = (
     "pp_p2p",
     "cp_kv_allgather",
 )
-
-
-def _segment(size: int) -> int:
-    """``get_allocation_size`` for a large-pool request of at least 10 MiB."""
-    return -(-size // KROUND_LARGE) * KROUND_LARGE
-
-
-def _block(n: int) -> int:
-    """The segment a large-pool block of ``n`` bytes takes alone (``get_allocation_size``); 0 for a
-    small-pool request."""
-    if n <= KSMALL_SIZE:
-        return 0
-    return _segment(n) if n >= KMIN_LARGE_ALLOC else KLARGE_BUFFER
-
-
-def layer_tensors(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast: bool = False) -> tuple[int, ...]:
-    """The sizes (bytes) of the tensors one layer keeps for backward per micro-batch on one rank under
-    the ``torch`` engine on a GPU (activations.py's list): two norm inputs and the Q and attention
-    outputs (sequence-sharded by t·c with SP, by c without), the gathered attention and MLP inputs (by c),
-    K and V (full sequence under all-gather context parallelism, by t) and the four SwiGLU tensors (by
-    t·c). Full recomputation keeps the layer's input only. ``autocast``
-    (:func:`~harness.estimate.dtypes.torch_autocast`): the norms keep FP32 tensors."""
-    e = elem_bytes(t.precision)
-    tc, c = p.tp * p.cp, p.cp
-    sbh = t.seq_len * t.micro_batch_size * m.hidden_size
-    sbf = t.seq_len * t.micro_batch_size * m.ffn_hidden_size
-    seq_sharded = sbh * e // (tc if p.sequence_parallel else c)
-    if t.recompute == "full":
-        return (seq_sharded,)
-    norm_e = 4 if autocast else e  # under autocast the residual stream is FP32
-    norms = sbh * norm_e // (tc if p.sequence_parallel else c)
-    sb = t.seq_len * t.micro_batch_size
-    kv = sb * m.kv_width * e // p.tp
-    q = sb * m.q_width * e // tc
-    attention = (norms, norms, sbh * e // c, sbh * e // c, q, q, kv, kv)
-    if not m.moe:
-        return attention + (sbf * e // tc,) * 4
-    # a mixture of experts (harness/estimate/moe.py): the routed rows, each expert's four SwiGLU
-    # tensors on its share of them, the combine's FP32 product (sizes of a balanced routing)
-    rows = routed_rows(m, p, t)[1]
-    per_expert = rows // m.num_experts * m.moe_ffn_hidden_size * e
-    return (
-        attention + (rows * m.hidden_size * e, rows * m.hidden_size * 4) + (per_expert,) * (4 * m.num_experts)
-    )
 
 
 def replicated(p: ParallelSpec) -> bool:
@@ -158,7 +125,7 @@ def reduce_stream_segments(spec: RunSpec, stage: int) -> int:
     m, p = spec.model, spec.parallel
     head = kept_head(m, p) if stage == p.pp - 1 else 0
     units = _reduce_units(m, p.tp, p.pp, stage, p.dp * p.cp, p.zero_stage, head, p.ep)
-    return sum(c * _block(n) for n, c in units)
+    return sum(c * block_size(n) for n, c in units)
 
 
 Counts = tuple[tuple[int, int], ...]  # (size in bytes, how many), sizes ascending
@@ -205,7 +172,7 @@ def _blocks(
         blocks_of(whole, 2, sets, blocks)
     for size in buffers:
         if size >= KMIN_LARGE_ALLOC:
-            seg = _segment(size)
+            seg = segment_size(size)
             blocks[seg] = blocks.get(seg, 0) + 1
         elif size > KSMALL_SIZE:
             shared += size
@@ -219,7 +186,7 @@ def blocks_of(tensors: Counts, elem: int, sets: int, blocks: dict[int, int]) -> 
     for n, c in tensors:
         size = elem * n
         if size >= KMIN_LARGE_ALLOC:
-            seg = _segment(size)
+            seg = segment_size(size)
             blocks[seg] = blocks.get(seg, 0) + c * sets
         elif size > KSMALL_SIZE:  # (one 20 MiB segment each: a bound, such parameters are rare)
             blocks[KLARGE_BUFFER] = blocks.get(KLARGE_BUFFER, 0) + c * sets
@@ -232,7 +199,7 @@ def _layer_blocks(
     """One layer's saved tensors (:func:`layer_tensors`) as (segments, how many), the bytes of those
     that share 20 MiB segments, and the layer's bytes."""
     sizes = layer_tensors(m, ParallelSpec(tp=tp, cp=cp, sequence_parallel=sp), t, autocast=autocast)
-    blocks: Counter[int] = Counter(_segment(s) for s in sizes if s >= KMIN_LARGE_ALLOC)
+    blocks: Counter[int] = Counter(segment_size(s) for s in sizes if s >= KMIN_LARGE_ALLOC)
     return _counts(blocks), sum(s for s in sizes if KSMALL_SIZE < s < KMIN_LARGE_ALLOC), sum(sizes)
 
 
@@ -299,7 +266,7 @@ def _place(blocks: Counts, requests: Counts) -> int:
                 n = min(count, free[block])
                 free[block] -= n
             else:
-                block = _block(size)  # (size > 1 MiB: small requests were skipped)
+                block = block_size(size)  # (size > 1 MiB: small requests were skipped)
                 n = 1 if block - size >= size else count  # a 20 MiB segment's remainder takes the next
                 opened += block * n
             count -= n
@@ -309,153 +276,6 @@ def _place(blocks: Counts, requests: Counts) -> int:
 
 
 FB_TERMS = ("activations", *CACHED_BUFFERS, "param_copies", "grad_reduce")
-
-
-def loss_logits_segment(spec: RunSpec, stage: int) -> int:
-    """The head's logits in the compute dtype, BF16 without a pipeline: the loss upcasts them to FP32
-    and they are freed before the loss's backward, whose peak allocates FP32 logit-sized buffers twice
-    their size. Their block stays cached and free at that peak, and nothing alive is of its size.
-    Traced (Llama-3-8B dp 8 ZeRO-3, s 8192, BF16, one rank's step replayed): a free 2,004 MiB segment
-    at micro-batch 1 and 4,008 MiB at 2, under both FSDP2 policies. Under a pipeline the schedule keeps
-    the head's outputs (``activations.logits``); in FP32 the upcast is the logits themselves, whose
-    block the FP32 gradients reuse: 0 there. Under the chunked loss (``train.loss_chunks``) a slice's
-    logits stay alive through its backward: 0 too."""
-    m, p, t = spec.model, spec.parallel, spec.train
-    if stage != p.pp - 1 or p.pp > 1 or elem_bytes(t.precision) >= 4 or t.loss_chunks > 1:
-        return 0
-    return _block(elem_bytes(t.precision) * t.seq_len * t.micro_batch_size * m.vocab_size // (p.tp * p.cp))
-
-
-def swiglu_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
-    """One SwiGLU tensor of a dense block (gate, up, their activation or product) on one rank, s·b·f/(t·c)
-    in the compute dtype: a block of its own."""
-    return elem_bytes(t.precision) * t.seq_len * t.micro_batch_size * m.ffn_hidden_size // (p.tp * p.cp)
-
-
-def recompute_packing_segments(spec: RunSpec, stage: int) -> int:
-    """Full recomputation of every block: the bytes lost where the blocks' saved inputs are carved out
-    of freed SwiGLU blocks. A checkpointed block's forward saves only its input (A, the residual
-    stream: :func:`layer_tensors`) and frees its SwiGLU tensors (T = s·b·f/(t·c) each in the compute
-    dtype, one segment each) at its end. The next block's input finds no free block of its size but
-    those, and best fit splits one: k = ⌊T/A⌋ inputs fill a T block, whose remainder T − k·A is smaller
-    than any later input (the next ones take the next freed T block, and the next block's MLP opens a
-    new segment). The stage's first input is allocated before any T block exists, so ⌊(L − 1)/k⌋
-    blocks each lose a remainder. Traced (Llama-3-8B dp 8 ZeRO-3, s 8192, BF16, torchtitan's stack,
-    full recomputation; the allocated peak of one rank's replayed step): ten free remainders of 128,
-    256 and 384 MiB at micro-batch 4, 8 and 12 (A 256-768 MiB in T 896-2,688 MiB, k 3); Llama-2-13B at
-    micro-batch 6, eighteen of 336 MiB and one of 86 MiB where the engine says nineteen of 336 (k 2).
-    0 without full recomputation of every block, under a pipeline (not traced), for a mixture of
-    experts, and where T < A (k 0)."""
-    m, p, t = spec.model, spec.parallel, spec.train
-    if t.recompute != "full" or m.moe or p.pp > 1:
-        return 0
-    layers = m.num_layers // p.virtual_stages
-    if checkpointed_layers(m, p, t) < layers:
-        return 0
-    (saved,) = layer_tensors(m, p, t, autocast=torch_autocast(p, t))
-    working = swiglu_bytes(m, p, t)
-    if saved < KMIN_LARGE_ALLOC or working < KMIN_LARGE_ALLOC:
-        return 0  # blocks that share 20 MiB segments: not this mechanism
-    block, request = _segment(working), -(-saved // KMIN_BLOCK) * KMIN_BLOCK
-    k = block // request
-    if k == 0:
-        return 0
-    return (layers - 1) // k * (block - k * request)
-
-
-# The SwiGLU tensors alive at once in a checkpointed block's forward (gate and up; the gate's activation
-# once the gate is freed; their product), each a block of its own. Traced: three free 896, 1,792 or
-# 2,688 MiB blocks at the loss of Llama-3-8B dp 8 ZeRO-3 at micro-batch 4, 8 and 12 (below).
-SWIGLU_WORKING_SET = 3
-
-
-def recompute_working_set_segments(spec: RunSpec, stage: int, terms: dict[str, int]) -> int:
-    """Full recomputation of every block, the peak at the loss: the last block's SwiGLU working set
-    (:data:`SWIGLU_WORKING_SET` blocks of T = s·b·f/(t·c), :func:`recompute_packing_segments`) is cached
-    and free, since the loss's vocabulary-sized blocks are larger than T. Only the loss's requests that
-    are smaller take from them: torchtitan's kept head unit's copy in the compute dtype
-    (:func:`~harness.estimate.buffers.kept_head`) and the chunked loss's FP32 head gradient, each into
-    the smallest block that holds it. Read at the allocated peak of fake traces (torchtitan's stack,
-    Llama-3-8B dp 8 ZeRO-3, s 8192, full recomputation): at micro-batch 4 three free 896 MiB blocks
-    (the 1,002 MiB copy does not fit), at 8 two of 1,792 MiB and 790 MiB beside the copy, at 12 one of
-    2,688 MiB, 1,686 beside the copy and 684 beside the 2,004 MiB gradient; cp 2 at micro-batch 4,
-    three of 448 MiB; this runner's stack (unchunked) at micro-batch 4, three of 896 MiB. 0 under the
-    conditions of :func:`recompute_packing_segments`, where the peak is not at the loss (no ``loss``
-    term: Llama-2-13B at micro-batch 6 peaks in the last block's MLP, its working set in use), and where
-    the loss's logits (per slice, in the compute dtype) fit a T block (the loss takes the blocks)."""
-    m, p, t = spec.model, spec.parallel, spec.train
-    if not recompute_packing_segments(spec, stage) or not terms.get("loss", 0):
-        return 0
-    e = elem_bytes(t.precision)
-    working = _segment(swiglu_bytes(m, p, t))
-    logits = e * t.seq_len * t.micro_batch_size * m.vocab_size // vocab_shards(p, engine="torch")
-    if logits // t.loss_chunks <= working:
-        return 0
-    free = [working] * SWIGLU_WORKING_SET
-    head_grad = 4 * m.vocab_size * m.hidden_size // p.tp if t.loss_chunks > 1 else 0
-    for size in (e * kept_head(m, p), head_grad):
-        fits = [i for i, room in enumerate(free) if room >= size > 0]
-        if fits:
-            best = min(fits, key=lambda i: free[i])
-            free[best] -= -(-size // KMIN_BLOCK) * KMIN_BLOCK
-    return sum(free)
-
-
-def fsdp_root_segments(spec: RunSpec, stage: int) -> int:
-    """FSDP2 (ZeRO-3, d·c > 1), the last stage, whose peak is at the loss: the blocks of the units
-    outside the layers (embedding, final norm, head) that are cached and free at that peak, and the
-    segment their FP32 reduce-scatter input opens after it.
-
-    - ``parallel.fsdp_reshard_after_forward=always``: one root unit, gathered for the forward's first
-      and last operations and resharded: its all-gather output (one flat buffer in the compute dtype
-      on the all-gather stream, whose blocks the compute stream cannot take) and the vocabulary
-      matrices copied out of it (one block each) are free.
-    - ``default`` (torchtitan's; no pipeline): the embedding a unit of its own, resharded after forward,
-      and the final norm and head a unit kept unsharded to its backward (tied, the embedding is in it):
-      both all-gather outputs on the all-gather stream (the head's, a norm larger, does not fit the
-      embedding's segment when that is exactly a vocabulary matrix) and the embedding's copied-out
-      matrix are free; the head's copy is alive (``buffers.kept_head``).
-    - The FP32 reduce-scatter input of the root (``always``) or head (``default``) unit comes at the end
-      of backward, when the loss's FP32 logit-sized blocks (4·s·b·v/(t·c)) are cached and free: a
-      segment of its own only when it is larger than those.
-    - Also cached on the all-gather stream at the loss: the largest of those units' all-gather input (its
-      shard, copied into a flat buffer) and the last layer's all-gather output.
-
-    Traced (Llama-3-8B, dp 8, s 8192, BF16, one rank's step replayed): ``always`` at micro-batch 1,
-    2,006 MiB on stream 1, 2 × 1,002 MiB free at the loss and 4,010 MiB opened at the end of backward
-    (the loss's 4,008 MiB blocks too small); at micro-batch 2 the same without the last (8,016 MiB
-    blocks); ``default`` at micro-batch 2, 1,002 and 1,004 MiB on stream 1 and 1,002 MiB on stream 0;
-    on stream 1 besides, a layer's 418 MiB all-gather output and the root's 252 MiB (``always``) or the
-    head's 126 MiB (``default``) all-gather input, all free at the loss.
-    Beside them the loss's own cached block (:func:`loss_logits_segment`)."""
-    m, p, t = spec.model, spec.parallel, spec.train
-    if p.zero_stage != 3 or p.dp * p.cp == 1 or stage != p.pp - 1:
-        return 0
-    e = elem_bytes(t.precision)
-    vocab = m.vocab_size * m.hidden_size // p.tp
-    if p.fsdp_reshard_after_forward == "always":
-        root = non_layer_params(m, stage=stage, pp=p.pp, tp=p.tp)
-        matrices = (stage == 0) + (not (m.tie_embeddings and p.pp == 1))
-        gathered, copies, reduced = [e * root], [e * vocab] * matrices, 4 * root
-        units = gathered
-    elif p.fsdp_reshard_after_forward == "default" and p.pp == 1:
-        head = kept_head(m, p)
-        embedding = [] if m.tie_embeddings else [e * vocab]
-        gathered = [*embedding, e * head]
-        if embedding and _block(e * head) <= _block(e * vocab):
-            gathered = embedding  # the head's all-gather output fits the embedding's freed block
-        copies, reduced, units = embedding, 4 * head, [e * head]
-    else:
-        return 0
-    # on the all-gather stream beside them: the largest unit's all-gather input (its shard, copied into
-    # a flat buffer), and the last layer's all-gather output (its experts' too under expert parallelism)
-    layers = m.num_layers // p.pp
-    experts = expert_params(m, stage=stage, pp=p.pp, ep=p.ep) // layers if p.ep > 1 else 0
-    layer = [e * (layer_params(m, tp=p.tp, ep=p.ep) - experts)] + ([e * experts] if experts else [])
-    stream = [max(units) // (p.dp * p.cp), *layer]
-    loss_blocks = 4 * t.seq_len * t.micro_batch_size * m.vocab_size // (p.tp * p.cp) // t.loss_chunks
-    after = _block(reduced) if reduced > loss_blocks else 0
-    return sum(_block(n) for n in gathered + copies + stream) + after
 
 
 def segment_terms(spec: RunSpec, stage: int, terms: dict[str, int]) -> dict[str, int]:

@@ -8,15 +8,13 @@ from conftest import spec
 
 from harness.estimate import estimate
 from harness.estimate.levels import reserved_terms, reserved_upper_bound
-from harness.estimate.segments import (
-    _place,
+from harness.estimate.loss_cache import (
     fsdp_root_segments,
     loss_logits_segment,
     recompute_packing_segments,
     recompute_working_set_segments,
-    reduce_stream_segments,
-    segment_terms,
 )
+from harness.estimate.segments import _place, reduce_stream_segments, segment_terms
 
 MiB = 1 << 20
 BF16_PP = {
