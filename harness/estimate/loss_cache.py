@@ -48,10 +48,13 @@ def recompute_packing_segments(spec: RunSpec, stage: int) -> int:
     full recomputation; the allocated peak of one rank's replayed step): ten free remainders of 128,
     256 and 384 MiB at micro-batch 4, 8 and 12 (A 256-768 MiB in T 896-2,688 MiB, k 3); Llama-2-13B at
     micro-batch 6, eighteen of 336 MiB and one of 86 MiB where the engine says nineteen of 336 (k 2).
-    0 without full recomputation of every block, under a pipeline (not traced), for a mixture of
-    experts, and where T < A (k 0)."""
+    0 without full recomputation of every block, under a pipeline (its stages' freed blocks hold every
+    kind of tensor), for a mixture of experts, where T < A (k 0), and under tensor parallelism with
+    sequence parallelism: there each block's largest transient is its gathered input (s·b·h/c), whose
+    blocks the inputs fill instead (Llama-3-70B tp 8 × dp 8, micro-batch 4: seven 64 MiB inputs in
+    each 512 MiB block, with split remainders; not modelled)."""
     m, p, t = spec.model, spec.parallel, spec.train
-    if t.recompute != "full" or m.moe or p.pp > 1:
+    if t.recompute != "full" or m.moe or p.pp > 1 or (p.tp > 1 and p.sequence_parallel):
         return 0
     layers = m.num_layers // p.virtual_stages
     if checkpointed_layers(m, p, t) < layers:
