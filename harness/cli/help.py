@@ -180,8 +180,10 @@ COMMAND_HELP: dict[str, Command] = {
         "analytical per-rank memory and FLOPs of one configuration, term by term, with a verdict",
         "Every memory term per pipeline stage, the most-loaded rank, its utilisation of the device and "
         "whether it fits under threshold, at three levels: allocated (the tensors), reserved (+ the "
-        "caching allocator's segment rounding, the gradient-reduction stream's segments, the "
-        "segments the optimizer step opens beyond the forward/backward cache, and cuBLAS workspaces) "
+        "caching allocator's segment rounding, the gradient-reduction stream's segments, the blocks "
+        "cached and free at the loss (FSDP2's outside units, the loss's logits, full recomputation's "
+        "packed inputs and working set), the segments the optimizer step opens beyond the "
+        "forward/backward cache, and cuBLAS workspaces) "
         "and device (+ CUDA context and "
         "NCCL buffers, outside the allocator); the verdict is the device level's. A GPU-scale model "
         "(a published preset or model.hf_config) is "
