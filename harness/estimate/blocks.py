@@ -17,6 +17,11 @@ KROUND_LARGE = 2 * MIB
 KMIN_BLOCK = 512
 
 
+def request_size(n: int) -> int:
+    """``round_size`` for a request above the small pool's: a multiple of 512 B (kMinBlockSize)."""
+    return -(-n // KMIN_BLOCK) * KMIN_BLOCK
+
+
 def segment_size(size: int) -> int:
     """``get_allocation_size`` for a large-pool request of at least 10 MiB."""
     return -(-size // KROUND_LARGE) * KROUND_LARGE

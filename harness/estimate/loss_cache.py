@@ -7,7 +7,7 @@ harness/alloc at its allocated peak (docs/gpu-memory.md; scripts/segment_opening
 from __future__ import annotations
 
 from harness.estimate.activations import checkpointed_layers, vocab_shards
-from harness.estimate.blocks import KMIN_BLOCK, KMIN_LARGE_ALLOC, block_size, layer_tensors, segment_size
+from harness.estimate.blocks import KMIN_LARGE_ALLOC, block_size, layer_tensors, request_size, segment_size
 from harness.estimate.buffers import kept_head
 from harness.estimate.dtypes import elem_bytes, torch_autocast
 from harness.estimate.params import expert_params, layer_params, non_layer_params
@@ -63,7 +63,7 @@ def recompute_packing_segments(spec: RunSpec, stage: int) -> int:
     working = swiglu_bytes(m, p, t)
     if saved < KMIN_LARGE_ALLOC or working < KMIN_LARGE_ALLOC:
         return 0  # blocks that share 20 MiB segments: not this mechanism
-    block, request = segment_size(working), -(-saved // KMIN_BLOCK) * KMIN_BLOCK
+    block, request = segment_size(working), request_size(saved)
     k = block // request
     if k == 0:
         return 0
@@ -104,7 +104,7 @@ def recompute_working_set_segments(spec: RunSpec, stage: int, terms: dict[str, i
         fits = [i for i, room in enumerate(free) if room >= size > 0]
         if fits:
             best = min(fits, key=lambda i: free[i])
-            free[best] -= -(-size // KMIN_BLOCK) * KMIN_BLOCK
+            free[best] -= request_size(size)
     return sum(free)
 
 

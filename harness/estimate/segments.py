@@ -35,11 +35,11 @@ from functools import lru_cache
 
 from harness.estimate.blocks import (
     KLARGE_BUFFER,
-    KMIN_BLOCK,
     KMIN_LARGE_ALLOC,
     KSMALL_SIZE,
     block_size,
     layer_tensors,
+    request_size,
     segment_size,
 )
 from harness.estimate.buffers import kept_head
@@ -135,12 +135,13 @@ def _counts(sizes: dict[int, int]) -> Counts:
     return tuple(sorted((s, n) for s, n in sizes.items() if n > 0))
 
 
-def cached_blocks(spec: RunSpec, stage: int, terms: dict[str, int]) -> Counts:
+def cached_blocks(spec: RunSpec, stage: int, terms: dict[str, int], *, working_set: bool = False) -> Counts:
     """The free blocks of the large pool when the optimizer step starts: the stage's activations as
     whole layers of :func:`layer_tensors` (as many as its ``activations`` term holds), each temporary
     buffer of the forward/backward peak, the compute-dtype parameter copies (``param_copies``: one
-    block per parameter tensor) and, where :func:`grads_freed_before_step`, the FP32 gradients (one
-    block per parameter tensor)."""
+    block per parameter tensor), the recomputed blocks' SwiGLU working set where ``working_set``
+    (:func:`~harness.estimate.loss_cache.recompute_working_set_segments` counts it free) and, where
+    :func:`grads_freed_before_step`, the FP32 gradients (one block per parameter tensor)."""
     m, p, t = spec.model, spec.parallel, spec.train
     layer = _layer_blocks(m, p.tp, p.cp, p.sequence_parallel, torch_autocast(p, t), t)
     copies = round(terms.get("activations", 0) / max(1, layer[2]))
@@ -149,7 +150,7 @@ def cached_blocks(spec: RunSpec, stage: int, terms: dict[str, int]) -> Counts:
     if terms.get("param_copies", 0):
         sets = max(1, round(terms["param_copies"] / max(1, 2 * sum(n * c for n, c in whole))))
     buffers = tuple(terms.get(k, 0) for k in CACHED_BUFFERS)
-    if recompute_working_set_segments(spec, stage, terms):  # the recomputed blocks' SwiGLU blocks
+    if working_set:
         buffers += (swiglu_bytes(m, p, t),) * SWIGLU_WORKING_SET
     return _blocks(layer, copies, buffers, whole, grads_freed_before_step(p, t, stage), sets)
 
@@ -258,7 +259,7 @@ def _place(blocks: Counts, requests: Counts) -> int:
     for size, count in sorted(requests, reverse=True):
         if size <= KSMALL_SIZE:
             continue
-        size = -(-size // KMIN_BLOCK) * KMIN_BLOCK
+        size = request_size(size)
         while count:
             fits = [b for b in free if b >= size and free[b]]
             if fits:
@@ -301,7 +302,8 @@ def segment_terms(spec: RunSpec, stage: int, terms: dict[str, int]) -> dict[str,
     working = recompute_working_set_segments(spec, stage, terms)
     opened = 0
     if terms.get("optimizer_step", 0):  # 0 for megatron's fused Adam, which allocates none
-        opened = _place(cached_blocks(spec, stage, terms), step_temporaries(spec, stage))
+        cache = cached_blocks(spec, stage, terms, working_set=working > 0)
+        opened = _place(cache, step_temporaries(spec, stage))
     extra = max(0, fb + reduce + root + logits + packing + working + opened - max(fb, step))
     out = {}
     in_order = (
