@@ -32,6 +32,7 @@ MEANINGS: dict[str, str] = {
     "model.moe_router": "router scores: softmax over the experts | sigmoid per expert",
     "model.moe_norm_topk": "true: the top-k gate values are normalised to sum 1",
     "model.moe_aux_loss_coeff": "the load-balancing (auxiliary) loss's coefficient; 0: none",
+    "model.moe_dense_layers": "the first blocks whose MLP stays dense (ffn_hidden_size); 0: experts in all",
     "model.hf_config": "PATH of a local Hugging Face config.json (Llama family, Mixtral, Qwen MoE): "
     "sets the model.* fields",
     # parallel

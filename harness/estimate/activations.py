@@ -36,6 +36,7 @@ Sharding by tensor (t) and context (c) parallelism:
 from __future__ import annotations
 
 from harness.estimate.attention import math_attention_bytes, rope_table_bytes
+from harness.estimate.checkpoints import checkpointed_layers, covered_blocks
 from harness.estimate.dtypes import elem_bytes, norm_elem_bytes, norm_tensors
 from harness.estimate.moe import moe_backward_working_set, moe_layer_bytes, moe_op_bytes
 from harness.estimate.params import layer_params
@@ -179,30 +180,6 @@ def inflight_chunks(p: ParallelSpec, t: TrainSpec, *, stage: int) -> int:
     return min(pp - stage, m)
 
 
-def checkpointed_layers(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
-    """Checkpoints in one model chunk (L/(pp·v) layers) under full recomputation, each keeping its input;
-    0 unless recompute is full. Counted per chunk as the runner and Megatron count, N =
-    ``recompute_every``: every N-th block (``every``, torchtitan's layer option), the first N blocks
-    (``block``), one per group of N consecutive blocks (``uniform``, the last group shorter where N does
-    not divide the chunk)."""
-    if t.recompute != "full":
-        return 0
-    layers, n = m.num_layers // (p.pp * p.virtual_stages), t.recompute_every
-    if t.recompute_method == "block":
-        return min(n, layers)
-    if t.recompute_method == "uniform":
-        return -(-layers // n)
-    return layers // n
-
-
-def recomputed_layers(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
-    """Blocks of one model chunk that some checkpoint covers (the others keep everything): all of them
-    under ``uniform``, one per checkpoint otherwise; 0 unless recompute is full."""
-    if t.recompute == "full" and t.recompute_method == "uniform":
-        return m.num_layers // (p.pp * p.virtual_stages)
-    return checkpointed_layers(m, p, t)
-
-
 def stage_layer_activations(
     m: ModelSpec,
     p: ParallelSpec,
@@ -224,17 +201,24 @@ def stage_layer_activations(
     layer's recomputed attention core holds again during backward; op keeps :func:`op_layer_bytes`
     per layer and one layer's recomputation (:func:`recompute_working_set`).
     """
-    layers_per_chunk = m.num_layers // (p.pp * p.virtual_stages)
     chunks = inflight_chunks(p, t, stage=stage)
+    chunk = 0
     if t.recompute == "full":
         chunk = checkpointed_layers(m, p, t) * layer_input_bytes(m, p, t, autocast=autocast)
-        chunk += (layers_per_chunk - recomputed_layers(m, p, t)) * layer_activation_bytes(
-            m, p, t, engine=engine, recompute="none", fused_norm=fused_norm, autocast=autocast
-        )
-    else:
-        chunk = layers_per_chunk * layer_activation_bytes(
-            m, p, t, engine=engine, fused_norm=fused_norm, autocast=autocast
-        )
+    # Each kind of block (dense first layers, expert blocks) at its own size: under full recomputation
+    # the blocks no checkpoint covers keep everything.
+    for kind, blocks, covered in covered_blocks(m, p, t):
+        kept = blocks - covered if t.recompute == "full" else blocks
+        if kept:
+            chunk += kept * layer_activation_bytes(
+                kind,
+                p,
+                t,
+                engine=engine,
+                recompute="none" if t.recompute == "full" else None,
+                fused_norm=fused_norm,
+                autocast=autocast,
+            )
     return chunks * chunk + recompute_working_set(
         m, p, t, engine=engine, fused_norm=fused_norm, autocast=autocast
     )
@@ -304,8 +288,8 @@ def checkpointed_casts(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast:
     backward."""
     if not autocast or p.pp > 1 or t.recompute not in ("full", "op"):
         return 0
-    covered = m.num_layers // p.pp if t.recompute == "op" else recomputed_layers(m, p, t) * p.virtual_stages
-    return 2 * layer_params(m, tp=p.tp, ep=p.ep) * covered
+    covered = covered_blocks(m, p, t)
+    return p.virtual_stages * sum(2 * layer_params(kind, tp=p.tp, ep=p.ep) * n for kind, _, n in covered)
 
 
 def backward_working_set(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:

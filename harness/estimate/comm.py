@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from harness.estimate.dtypes import elem_bytes
 from harness.estimate.flops import hardware_flops_per_step, model_flops_per_step
-from harness.estimate.params import expert_params, stage_params
+from harness.estimate.params import expert_layers, expert_params, stage_params
 from harness.spec import RunSpec, busiest_stage_view
 
 
@@ -80,7 +80,8 @@ def cost(spec: RunSpec) -> Cost:
     ep_bytes = 0.0
     if m.num_experts and p.ep > 1:
         rows = t.seq_len // p.cp * t.micro_batch_size * m.experts_per_token
-        ep_bytes = layers * 4 * rows * m.hidden_size * e * (p.ep - 1) / p.ep * mb * passes
+        moe_layers = expert_layers(m, p.pp)  # (dense first layers send nothing)
+        ep_bytes = moe_layers * 4 * rows * m.hidden_size * e * (p.ep - 1) / p.ep * mb * passes
     # Pipeline: one activation forward and one gradient backward per micro-batch and boundary.
     sp = p.sequence_parallel and p.tp > 1
     pp_bytes = 0.0 if p.pp == 1 else 2 * mb * p.virtual_stages * sbh * e / (p.tp if sp else 1)

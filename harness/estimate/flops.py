@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 
-from harness.spec import RunSpec, stage_views
+from harness.estimate.params import chunk_blocks
+from harness.spec import ModelSpec, RunSpec, stage_views
 
 FLOPS_CONVENTIONS = ("megatron", "megatron_causal")
 
@@ -52,13 +53,20 @@ def model_flops_per_step(spec: RunSpec, *, convention: str = "megatron") -> int:
     # the attention's two matmuls over a·d.
     q, kv = m.q_width, m.kv_width
     attn = 12 * B * s * L * q * s if convention == "megatron" else 6 * B * s * L * q * s
-    if m.moe:  # a mixture of experts: its active parameters (harness/estimate/moe.py)
+    # the MLP's: a mixture of experts' from its active parameters (dense first layers a dense MLP's)
+    mlp = B * s * sum(n * mlp_flops_per_token(kind) for kind, n in chunk_blocks(m, 1))
+    return 12 * B * s * L * h * (q + kv) + attn + mlp + 6 * B * s * h * m.vocab_size
+
+
+def mlp_flops_per_token(m: ModelSpec) -> int:
+    """Forward and backward FLOPs of one block's MLP per token: 18·h·f for SwiGLU (three h×f matmuls,
+    6 FLOPs per multiply-add weight), or a mixture of experts' active parameters
+    (:func:`harness.estimate.moe.moe_mlp_flops_per_token`)."""
+    if m.moe:
         from harness.estimate.moe import moe_mlp_flops_per_token
 
-        mlp = B * s * L * moe_mlp_flops_per_token(m)
-    else:
-        mlp = 18 * B * s * L * h * m.ffn_hidden_size
-    return 12 * B * s * L * h * (q + kv) + attn + mlp + 6 * B * s * h * m.vocab_size
+        return moe_mlp_flops_per_token(m)
+    return 18 * m.hidden_size * m.ffn_hidden_size
 
 
 def hardware_flops_per_step(spec: RunSpec, *, convention: str = "megatron") -> int:
@@ -67,7 +75,7 @@ def hardware_flops_per_step(spec: RunSpec, *, convention: str = "megatron") -> i
     covered, as is the convention, head included; with ``recompute_every`` or Megatron's methods the
     covered blocks' share of it); selective recomputation of the attention core adds its forward,
     4·B·s²·L·h (the s/h term's share of the forward pass)."""
-    from harness.estimate.activations import recomputed_layers
+    from harness.estimate.checkpoints import recomputed_layers
 
     model = model_flops_per_step(spec, convention=convention)
     t, m, p = spec.train, spec.model, spec.parallel

@@ -6,11 +6,12 @@ harness/alloc at its allocated peak (docs/gpu-memory.md; scripts/segment_opening
 
 from __future__ import annotations
 
-from harness.estimate.activations import checkpointed_layers, vocab_shards
+from harness.estimate.activations import vocab_shards
 from harness.estimate.blocks import KMIN_LARGE_ALLOC, block_size, layer_tensors, request_size, segment_size
 from harness.estimate.buffers import kept_head
+from harness.estimate.checkpoints import checkpointed_layers
 from harness.estimate.dtypes import elem_bytes, torch_autocast
-from harness.estimate.params import expert_params, layer_params, non_layer_params
+from harness.estimate.params import layer_expert_params, layer_params, non_layer_params
 from harness.spec import ModelSpec, ParallelSpec, RunSpec, TrainSpec
 
 
@@ -156,8 +157,7 @@ def fsdp_root_segments(spec: RunSpec, stage: int) -> int:
         return 0
     # on the all-gather stream beside them: the largest unit's all-gather input (its shard, copied into
     # a flat buffer), and the last layer's all-gather output (its experts' too under expert parallelism)
-    layers = m.num_layers // p.pp
-    experts = expert_params(m, stage=stage, pp=p.pp, ep=p.ep) // layers if p.ep > 1 else 0
+    experts = layer_expert_params(m, ep=p.ep) if p.ep > 1 else 0
     layer = [e * (layer_params(m, tp=p.tp, ep=p.ep) - experts)] + ([e * experts] if experts else [])
     stream = [max(units) // (p.dp * p.cp), *layer]
     loss_blocks = 4 * t.seq_len * t.micro_batch_size * m.vocab_size // (p.tp * p.cp) // t.loss_chunks

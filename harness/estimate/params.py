@@ -10,14 +10,17 @@ Stage 0 holds the embedding, the last stage the final norm and the head.
 A mixture-of-experts block (``model.num_experts`` E > 0) has, in place of the SwiGLU MLP, a router h·E,
 E experts of 3·h·f_e and shared experts 3·h·f_e·n_s (harness/runner/moe.py; Megatron's
 ``theoretical_memory_usage.py`` counts the same: routed experts 2·h·f_e·E·3/2 with SwiGLU, router h·E,
-shared experts 2·h·f_s·3/2). Mixtral-8x7B: 46,702,792,704.
+shared experts 2·h·f_s·3/2). Mixtral-8x7B: 46,702,792,704. The first ``moe_dense_layers`` blocks of
+such a model have the dense SwiGLU MLP of ``ffn_hidden_size`` (DeepSeek-V3's ``first_k_dense_replace``;
+Megatron's ``moe_layer_freq`` pattern with zeros first): a stage's count of each kind is
+:func:`chunk_blocks` of its view.
 """
 
 from __future__ import annotations
 
 import heapq
 
-from harness.spec import ModelSpec
+from harness.spec import ModelSpec, dense_mlp_model
 
 
 def mlp_matrices(m: ModelSpec, *, ep: int = 1) -> list[int]:
@@ -60,10 +63,26 @@ def qk_norm_params(m: ModelSpec) -> int:
     return 2 * m.head_size if m.qk_norm else 0
 
 
+def block_kinds(m: ModelSpec, layers: int, dense: int) -> tuple[tuple[ModelSpec, int], ...]:
+    """(model as the block reads it, count) of ``layers`` blocks whose first ``dense`` have a dense MLP:
+    the one sum every per-block total goes through (dense first layers, ``moe_dense_layers``)."""
+    if not dense or not m.moe:
+        return ((m, layers),)
+    return ((dense_mlp_model(m), dense), (m, layers - dense))
+
+
+def chunk_blocks(m: ModelSpec, chunks: int) -> tuple[tuple[ModelSpec, int], ...]:
+    """:func:`block_kinds` of one of ``chunks`` model chunks (pp, or pp·v under interleaving) of a stage
+    view's model (``harness.spec.stage_view``: its ``num_layers`` and ``moe_dense_layers`` are the
+    stage's own, times pp; validation refuses dense first layers under interleaving)."""
+    return block_kinds(m, m.num_layers // chunks, m.moe_dense_layers // chunks if m.moe else 0)
+
+
 def total_params(m: ModelSpec) -> int:
     """The model's parameter count, as published (Llama-3-8B: 8,030,261,248)."""
     head = 0 if m.tie_embeddings else m.hidden_size * m.vocab_size
-    return m.num_layers * layer_params(m) + m.hidden_size * m.vocab_size + m.hidden_size + head
+    layers = sum(n * layer_params(k) for k, n in chunk_blocks(m, 1))
+    return layers + m.hidden_size * m.vocab_size + m.hidden_size + head
 
 
 def non_layer_params(m: ModelSpec, *, stage: int, pp: int, tp: int = 1) -> int:
@@ -86,14 +105,24 @@ def non_layer_params(m: ModelSpec, *, stage: int, pp: int, tp: int = 1) -> int:
 def stage_params(m: ModelSpec, *, stage: int, pp: int, tp: int = 1, ep: int = 1) -> int:
     """Parameters on one rank of pipeline ``stage`` (its L/pp layers plus its share of the rest; with
     expert parallelism 1/ep of the experts)."""
-    return m.num_layers // pp * layer_params(m, tp=tp, ep=ep) + non_layer_params(m, stage=stage, pp=pp, tp=tp)
+    layers = sum(n * layer_params(k, tp=tp, ep=ep) for k, n in chunk_blocks(m, pp))
+    return layers + non_layer_params(m, stage=stage, pp=pp, tp=tp)
 
 
 def expert_params(m: ModelSpec, *, stage: int, pp: int, ep: int = 1) -> int:
     """The routed experts' parameters one rank of ``stage`` holds (1/ep of them; 0 for a dense model)."""
-    if not m.moe:
-        return 0
-    return m.num_layers // pp * 3 * m.hidden_size * m.moe_ffn_hidden_size * (m.num_experts // ep)
+    return expert_layers(m, pp) * layer_expert_params(m, ep=ep)
+
+
+def layer_expert_params(m: ModelSpec, *, ep: int = 1) -> int:
+    """The routed experts' parameters of one expert block on one rank (1/ep of them; 0 for a dense
+    model or block)."""
+    return 3 * m.hidden_size * m.moe_ffn_hidden_size * (m.num_experts // ep) if m.moe else 0
+
+
+def expert_layers(m: ModelSpec, pp: int) -> int:
+    """Blocks with experts on one stage of a stage view's model (0 for a dense model)."""
+    return sum(n for k, n in chunk_blocks(m, pp) if k.moe)
 
 
 def param_numels(m: ModelSpec, *, stage: int, pp: int, tp: int = 1) -> list[tuple[int, int]]:
@@ -105,16 +134,17 @@ def param_numels(m: ModelSpec, *, stage: int, pp: int, tp: int = 1) -> list[tupl
     :func:`stage_params`."""
     h, v = m.hidden_size, m.vocab_size
     q, kv = m.q_width, m.kv_width
-    block = [(h, h), (h, h)]  # the two norms
-    if m.qk_norm:
-        block += [(m.head_size, m.head_size)] * 2
-    block += [(n, n // tp) for n in (h * q, h * kv, h * kv, h * q, *mlp_matrices(m))]
-    if m.qkv_bias:
-        block += [(n, n // tp) for n in (q, kv, kv)]
     out = []
     if stage == 0:
         out.append((h * v, h * v // tp))
-    out += block * (m.num_layers // pp)
+    for kind, layers in chunk_blocks(m, pp):
+        block = [(h, h), (h, h)]  # the two norms
+        if m.qk_norm:
+            block += [(m.head_size, m.head_size)] * 2
+        block += [(n, n // tp) for n in (h * q, h * kv, h * kv, h * q, *mlp_matrices(kind))]
+        if m.qkv_bias:
+            block += [(n, n // tp) for n in (q, kv, kv)]
+        out += block * layers
     if stage == pp - 1:
         out.append((h, h))
         if not (m.tie_embeddings and pp == 1):

@@ -13,7 +13,7 @@ from harness.estimate import pipeline as pipe
 from harness.estimate import states as st
 from harness.estimate.dtypes import elem_bytes
 from harness.estimate.params import layer_params, stage_params
-from harness.spec import ParallelSpec, RunSpec, TrainSpec
+from harness.spec import ModelSpec, ParallelSpec, RunSpec, TrainSpec
 
 
 def replicated_embedding_extra(m, tp: int) -> int:
@@ -178,7 +178,7 @@ def fsdp_block_backward(spec: RunSpec, terms: dict[str, int], activations: int) 
     )
 
 
-def dominant_stages(p: ParallelSpec, t: TrainSpec) -> tuple[int, ...]:
+def dominant_stages(p: ParallelSpec, t: TrainSpec, m: ModelSpec | None = None) -> tuple[int, ...]:
     """The stages among which the most-loaded one always is: 0, 1, the last, and the first middle
     stage whose peak follows a backward (torch: its gradients are alive then); every stage under
     interleaved 1F1B.
@@ -197,11 +197,15 @@ def dominant_stages(p: ParallelSpec, t: TrainSpec) -> tuple[int, ...]:
         # them the later the rank (pipeline.interleaved_sends_kept): no few stages bound the rest.
         return tuple(range(pp))
     stages = {0, min(1, pp - 1), pp - 1}
-    # With uneven stages (parallel.pp_layers) the argument holds among the middle stages of one block
-    # count: the first of them, and the first of them with its gradients at its peak.
-    groups: dict[int | None, list[int]] = {}
+    # With uneven stages (parallel.pp_layers) or dense first layers (``m.moe_dense_layers``) the argument
+    # holds among the middle stages of one block count and one count of dense blocks: the first of them,
+    # and the first of them with its gradients at its peak.
+    dense = m.moe_dense_layers if m is not None and m.moe else 0
+    per_stage = p.pp_layers or ((m.num_layers // pp,) * pp if dense else ())
+    groups: dict[tuple, list[int]] = {}
     for i in range(1, pp - 1):
-        groups.setdefault(p.pp_layers[i] if p.pp_layers else None, []).append(i)
+        kind = min(max(dense - sum(per_stage[:i]), 0), per_stage[i]) if dense else 0
+        groups.setdefault((p.pp_layers[i] if p.pp_layers else None, kind), []).append(i)
     for group in groups.values():
         stages.add(group[0])
         for i in group:

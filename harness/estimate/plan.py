@@ -294,7 +294,7 @@ def plan(base: RunSpec, opts: PlanOptions) -> PlanResult:
         if layout_problems(group[0]):
             invalid += len(group)
             continue
-        stages = dominant_stages(group[0].parallel, group[0].train)
+        stages = dominant_stages(group[0].parallel, group[0].train, group[0].model)
         rows += [plan_row(spec, opts, stages=stages, timer=timer) for spec in group]
     rows.sort(key=PlanRow.sort_key)
     return PlanResult(tuple(rows), considered, invalid)

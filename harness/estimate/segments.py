@@ -52,7 +52,13 @@ from harness.estimate.loss_cache import (
     recompute_working_set_segments,
     swiglu_bytes,
 )
-from harness.estimate.params import expert_params, layer_params, mlp_matrices, non_layer_params
+from harness.estimate.params import (
+    chunk_blocks,
+    layer_expert_params,
+    layer_params,
+    mlp_matrices,
+    non_layer_params,
+)
 from harness.estimate.states import torch_grads_at_peak
 from harness.spec import ModelSpec, ParallelSpec, RunSpec, TrainSpec
 
@@ -105,11 +111,12 @@ def _reduce_units(
         return ()
     per = 1 if replicate else shards
     root = non_layer_params(m, stage=stage, pp=pp, tp=tp) - head
-    layers = m.num_layers // pp
-    experts = expert_params(m, stage=stage, pp=pp, ep=ep) // layers if ep > 1 else 0
-    units: Counter[int] = Counter({4 * -(-(layer_params(m, tp=tp, ep=ep) - experts) // per): layers})
-    if experts:
-        units[4 * -(-experts // (1 if replicate else shards // ep))] += layers
+    units: Counter[int] = Counter()
+    for kind, layers in chunk_blocks(m, pp):  # dense first layers, then the expert blocks
+        experts = layer_expert_params(kind, ep=ep) if ep > 1 else 0
+        units[4 * -(-(layer_params(kind, tp=tp, ep=ep) - experts) // per)] += layers
+        if experts:
+            units[4 * -(-experts // (1 if replicate else shards // ep))] += layers
     for n in (root, head):
         if n:
             units[4 * -(-n // per)] += 1
@@ -217,18 +224,22 @@ def _parameter_tensors(
     layers = m.num_layers // pp
     out: Counter[int] = Counter({h * m.q_width // tp: 2 * layers})
     out[h * m.kv_width // tp] += 2 * layers
-    matrices = mlp_matrices(m, ep=ep)  # three SwiGLU matrices, or a router, experts, shared experts
-    experts = 3 * (m.num_experts // ep) if ep > 1 else 0
-    for n in matrices[:1] + matrices[1 + experts :] if experts else matrices:
-        out[n // tp] += layers
+    experts = 0  # the expert matrices of the stage, sharded apart
+    for kind, n_layers in chunk_blocks(m, pp):  # dense first layers, then the expert blocks
+        # three SwiGLU matrices, or a router, experts, shared experts
+        matrices = mlp_matrices(kind, ep=ep)
+        routed = 3 * (kind.num_experts // ep) if ep > 1 and kind.moe else 0
+        for n in matrices[:1] + matrices[1 + routed :] if routed else matrices:
+            out[n // tp] += n_layers
+        experts += routed * n_layers
     out[m.vocab_size * h // tp] += (stage == 0) + (stage == pp - 1 and not (m.tie_embeddings and pp == 1))
     if shards > 1 and zero >= 2:
         sharded = Counter({-(-n // shards): c for n, c in out.items()})
         if experts:
-            sharded[-(-h * m.moe_ffn_hidden_size // (shards // ep))] += experts * layers
+            sharded[-(-h * m.moe_ffn_hidden_size // (shards // ep))] += experts
         return _counts(sharded)
     if experts:
-        out[h * m.moe_ffn_hidden_size] += experts * layers
+        out[h * m.moe_ffn_hidden_size] += experts
     if shards > 1 and zero == 1:
         return _counts({n: -(-c // shards) for n, c in out.items()})
     return _counts(out)

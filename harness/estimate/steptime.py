@@ -35,11 +35,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from harness.estimate.activations import layer_activation_bytes, recomputed_layers
+from harness.estimate.activations import layer_activation_bytes
+from harness.estimate.checkpoints import recomputed_layers
 from harness.estimate.comm import bubble_fraction, cost
 from harness.estimate.dtypes import elem_bytes
-from harness.estimate.flops import model_flops_per_step
-from harness.estimate.params import layer_matrix_params, stage_params
+from harness.estimate.flops import mlp_flops_per_token, model_flops_per_step
+from harness.estimate.params import chunk_blocks, stage_params
 from harness.spec import DeviceSpec, RunSpec, busiest_stage_view
 
 TERMS = (
@@ -112,10 +113,14 @@ def stage_flops(spec: RunSpec) -> tuple[float, float]:
     spec = busiest_stage_view(spec)
     m, p, t = spec.model, spec.parallel, spec.train
     tokens = t.num_microbatches * t.micro_batch_size * t.seq_len // p.cp  # this rank's, per step
-    per_layer = (6 * layer_matrix_params(m) + 12 * t.seq_len * m.hidden_size) / p.tp  # per token
-    head = 6 * m.hidden_size * m.vocab_size / p.tp
+    # per token: the attention's matrices and core, and each block's MLP (a mixture of experts' active
+    # parameters: harness/estimate/flops.mlp_flops_per_token; dense first layers a SwiGLU's)
+    attention = 12 * m.hidden_size * (m.q_width + m.kv_width) + 12 * t.seq_len * m.hidden_size
+    blocks = [(attention + mlp_flops_per_token(kind)) / p.tp * n for kind, n in chunk_blocks(m, p.pp)]
     layers = m.num_layers // p.pp
-    model = tokens * (layers * per_layer + head)
+    per_layer = sum(blocks) / layers
+    head = 6 * m.hidden_size * m.vocab_size / p.tp
+    model = tokens * (sum(blocks) + head)
     extra = 0.0
     if t.recompute == "full":  # the forward again, of the blocks some checkpoint covers
         covered = recomputed_layers(m, p, t) * p.virtual_stages

@@ -169,20 +169,31 @@ class FeedForward(nn.Module):
 
 class TransformerBlock(nn.Module):
     """Attention and MLP, each after its norm and with a residual; the MLP is ``moe`` (a mixture of
-    experts, torchtitan's name) where the model has experts, else ``feed_forward``."""
+    experts, torchtitan's name) where ``experts`` (by default: where the model has experts), else
+    ``feed_forward`` (a dense model's, or one of a mixture of experts' ``moe_dense_layers`` first
+    blocks, DeepSeek's and torchtitan's)."""
 
-    def __init__(self, m: ModelSpec, seq_len: int, attention: str = "flash", *, moe_imbalance: float = 1.0):
+    def __init__(
+        self,
+        m: ModelSpec,
+        seq_len: int,
+        attention: str = "flash",
+        *,
+        moe_imbalance: float = 1.0,
+        experts: bool | None = None,
+    ):
         super().__init__()
         self.attention_norm = RMSNorm(m.hidden_size)
         self.attention = Attention(m, seq_len, attention)
         self.ffn_norm = RMSNorm(m.hidden_size)
-        if m.moe:
+        experts = m.moe if experts is None else experts
+        if experts:
             from harness.runner.moe import MoE
 
             self.moe = MoE(m, imbalance=moe_imbalance, feed_forward=FeedForward)
         else:
             self.feed_forward = FeedForward(m)
-        self.mlp_name = "moe" if m.moe else "feed_forward"
+        self.mlp_name = "moe" if experts else "feed_forward"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x))
@@ -205,7 +216,9 @@ class Llama(nn.Module):
         self.tok_embeddings: nn.Module | None = nn.Embedding(m.vocab_size, m.hidden_size)
         self.layers = nn.ModuleDict(
             {
-                str(i): TransformerBlock(m, seq_len, attention, moe_imbalance=moe_imbalance)
+                str(i): TransformerBlock(
+                    m, seq_len, attention, moe_imbalance=moe_imbalance, experts=m.block_has_experts(i)
+                )
                 for i in range(m.num_layers)
             }
         )

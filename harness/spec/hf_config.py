@@ -2,7 +2,7 @@
 
 ``model.hf_config=PATH`` on the command line reads one: the fields map one to one onto ModelSpec's, and
 a config whose architecture the estimator cannot model (multi-head latent attention, biases other than
-Qwen2's on Q, K and V, dense layers among expert layers) is refused
+Qwen2's on Q, K and V, dense layers among expert layers but the first) is refused
 in one line naming the fields, rather than estimated as if it were a dense Llama. Sliding-window
 attention is estimated as dense, with a note. ``PATH`` may be the file or a folder holding it.
 
@@ -13,7 +13,8 @@ Mixtures of experts (issue 27; docs/mixture-of-experts.md §3): Mixtral (``num_l
 ``num_experts_per_tok``, experts of ``intermediate_size``, softmax over the top-k, no shared expert),
 Qwen2-MoE and Qwen3-MoE (``num_experts``, ``moe_intermediate_size``, ``norm_topk_prob``; Qwen2-MoE's
 shared expert of ``shared_expert_intermediate_size``, a whole number of experts' width). Every layer
-must be an expert layer (``decoder_sparse_step`` 1, no ``mlp_only_layers``).
+is an expert layer (``decoder_sparse_step`` 1) but the first k where ``mlp_only_layers`` is 0 … k − 1
+(model.moe_dense_layers, a dense MLP of ``intermediate_size``).
 """
 
 from __future__ import annotations
@@ -186,16 +187,12 @@ def _moe_fields(cfg: dict[str, Any], model_type: str, where: str) -> dict[str, A
     """ModelSpec's mixture-of-experts fields of a Mixtral, Qwen2-MoE or Qwen3-MoE config.json."""
     experts = cfg.get("num_local_experts", cfg.get("num_experts"))
     if model_type == "mixtral":
-        ffn, shared_width, norm = cfg.get("intermediate_size"), 0, True
+        ffn, shared_width, norm, dense = cfg.get("intermediate_size"), 0, True, 0
     else:
         ffn = cfg.get("moe_intermediate_size")
         shared_width = cfg.get("shared_expert_intermediate_size") or 0
         norm = bool(cfg.get("norm_topk_prob", model_type == "qwen3_moe"))
-        if cfg.get("decoder_sparse_step", 1) != 1 or _switched_on(cfg.get("mlp_only_layers")):
-            raise HFConfigError(
-                f"{where}: cannot model dense layers among expert layers (decoder_sparse_step "
-                f"{cfg.get('decoder_sparse_step', 1)}, mlp_only_layers {cfg.get('mlp_only_layers') or []})"
-            )
+        dense = _dense_first_layers(cfg, where)
     top_k = cfg.get("num_experts_per_tok")
     wrong = [
         f"{k}={v!r}" for k, v in (("experts", experts), ("num_experts_per_tok", top_k), ("expert size", ffn))
@@ -220,4 +217,19 @@ def _moe_fields(cfg: dict[str, Any], model_type: str, where: str) -> dict[str, A
         "moe_router": "softmax",
         "moe_norm_topk": norm,
         "moe_aux_loss_coeff": float(coeff),
+        "moe_dense_layers": dense,
     }
+
+
+def _dense_first_layers(cfg: dict[str, Any], where: str) -> int:
+    """Qwen2-MoE's and Qwen3-MoE's dense layers (``mlp_only_layers``, an MLP of ``intermediate_size``;
+    transformers makes layer i sparse where i is not among them and (i + 1) % ``decoder_sparse_step`` is
+    0) as ``moe_dense_layers``: the first k layers only, every later one sparse."""
+    step, listed = cfg.get("decoder_sparse_step", 1), cfg.get("mlp_only_layers") or []
+    first = list(range(len(listed))) if isinstance(listed, list) else None
+    if step != 1 or listed != first or len(listed) >= cfg.get("num_hidden_layers", 0):
+        raise HFConfigError(
+            f"{where}: cannot model dense layers among expert layers, only the first k of them "
+            f"(decoder_sparse_step {step}, mlp_only_layers {listed})"
+        )
+    return len(listed)

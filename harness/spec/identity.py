@@ -125,6 +125,7 @@ MOE_FIELDS = (
     "moe_router",
     "moe_norm_topk",
     "moe_aux_loss_coeff",
+    "moe_dense_layers",
 )
 
 

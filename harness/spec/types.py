@@ -44,6 +44,7 @@ ADDED_FIELD_DEFAULTS = {
         "moe_router": "softmax",
         "moe_norm_topk": True,
         "moe_aux_loss_coeff": 0.0,
+        "moe_dense_layers": 0,
         "head_dim": None,
         "qk_norm": False,
     },
@@ -89,8 +90,9 @@ class ModelSpec:
     ``moe_ffn_hidden_size``, ``experts_per_token`` of them per token, the top-k gate values normalised
     to sum 1 where ``moe_norm_topk``, plus ``num_shared_experts`` (one SwiGLU of their summed width on
     every token), and a load-balancing loss of ``moe_aux_loss_coeff`` where it is > 0;
-    ``ffn_hidden_size`` is then unused. The canonical form resets the MoE fields of a
-    dense model."""
+    ``ffn_hidden_size`` is then the width of the ``moe_dense_layers`` first blocks' dense MLP
+    (DeepSeek's ``first_k_dense_replace``, torchtitan's ``n_dense_layers``), unused where that is 0.
+    The canonical form resets the MoE fields of a dense model."""
 
     name: str
     hidden_size: int
@@ -110,6 +112,8 @@ class ModelSpec:
     # The load-balancing (auxiliary) loss's coefficient (Megatron's --moe-aux-loss-coeff, Hugging Face's
     # router_aux_loss_coef); 0: none (torchtitan's default balances with a bias outside the step).
     moe_aux_loss_coeff: float = 0.0
+    # The first blocks whose MLP stays a dense SwiGLU of ffn_hidden_size (0: every block has experts).
+    moe_dense_layers: int = 0
     # Qwen3's attention: a head size of its own (None: hidden_size / num_heads; canonical: None where it
     # is that) and RMSNorm of each query and key head before the rotary embedding (``qk_norm``).
     head_dim: int | None = None
@@ -118,6 +122,10 @@ class ModelSpec:
     @property
     def moe(self) -> bool:
         return self.num_experts > 0
+
+    def block_has_experts(self, index: int) -> bool:
+        """Whether block ``index`` (0-based, in model order) has the mixture of experts as its MLP."""
+        return self.moe and index >= self.moe_dense_layers
 
     @property
     def head_size(self) -> int:
@@ -270,29 +278,49 @@ def chunk_layer_ranges(spec: RunSpec) -> list[range]:
 
 
 def stage_view(spec: RunSpec, stage: int) -> RunSpec:
-    """``spec`` as one stage's estimate reads it: with uneven ``pp_layers``, a model whose even split
-    gives every stage that stage's blocks (each term of a stage depends on the model only through its
-    own blocks, and on which end of the pipeline it is through ``stage``); ``spec`` itself otherwise."""
-    if not spec.parallel.pp_layers:
+    """``spec`` as one stage's estimate reads it: a model whose even split gives every stage that stage's
+    blocks (each term of a stage depends on the model only through its own blocks, and on which end of
+    the pipeline it is through ``stage``); ``spec`` itself where every stage's blocks are alike (even
+    stages, no dense first layers). With dense first layers (``model.moe_dense_layers``) the view's
+    count of them is the stage's own times pp, as its ``num_layers`` is
+    (``harness.estimate.params.chunk_blocks`` reads it back); a stage of dense blocks only is a dense
+    model's (:func:`dense_mlp_model`)."""
+    m, p = spec.model, spec.parallel
+    if not p.pp_layers and not (m.moe and m.moe_dense_layers):
         return spec
-    layers = spec.parallel.pp_layers[stage] * spec.parallel.pp
-    return dataclasses.replace(
-        spec,
-        model=dataclasses.replace(spec.model, num_layers=layers),
-        parallel=dataclasses.replace(spec.parallel, pp_layers=()),
-    )
+    per_stage = stage_layers(spec)
+    blocks = per_stage[stage]
+    model = dataclasses.replace(m, num_layers=blocks * p.pp)
+    if m.moe and m.moe_dense_layers:
+        dense = min(max(m.moe_dense_layers - sum(per_stage[:stage]), 0), blocks)
+        model = (
+            dense_mlp_model(model)
+            if dense == blocks
+            else dataclasses.replace(model, moe_dense_layers=dense * p.pp)
+        )
+    return dataclasses.replace(spec, model=model, parallel=dataclasses.replace(p, pp_layers=()))
 
 
 def stage_views(spec: RunSpec) -> tuple[RunSpec, ...]:
-    """:func:`stage_view` of every stage, one object per distinct block count (``plan`` estimates tens
+    """:func:`stage_view` of every stage, one object per distinct kind of stage (``plan`` estimates tens
     of thousands of layouts; a view is two ``dataclasses.replace``)."""
-    if not spec.parallel.pp_layers:
-        return (spec,) * spec.parallel.pp
-    by_count: dict[int, RunSpec] = {}
-    for i, n in enumerate(spec.parallel.pp_layers):
-        if n not in by_count:
-            by_count[n] = stage_view(spec, i)
-    return tuple(by_count[n] for n in spec.parallel.pp_layers)
+    m, p = spec.model, spec.parallel
+    if not p.pp_layers and not (m.moe and m.moe_dense_layers):
+        return (spec,) * p.pp
+    per_stage, start, by_kind, views = stage_layers(spec), 0, {}, []
+    for i, blocks in enumerate(per_stage):
+        kind = (blocks, min(max(m.moe_dense_layers - start, 0), blocks) if m.moe else 0)
+        if kind not in by_kind:
+            by_kind[kind] = stage_view(spec, i)
+        views.append(by_kind[kind])
+        start += blocks
+    return tuple(views)
+
+
+def dense_mlp_model(m: ModelSpec) -> ModelSpec:
+    """``m`` as its dense first blocks (``moe_dense_layers``) are: the same attention, a SwiGLU MLP of
+    ``ffn_hidden_size`` and no experts — what every per-block term reads for such a block."""
+    return dataclasses.replace(m, num_experts=0, moe_dense_layers=0)
 
 
 def busiest_stage_view(spec: RunSpec) -> RunSpec:

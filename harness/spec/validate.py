@@ -114,6 +114,17 @@ def _moe_problems(spec: RunSpec) -> list[str]:
         out.append(
             f"tensor parallelism of expert layers is not built yet (issue 27): tp {p.tp} with num_experts {e}"
         )
+    dense = m.moe_dense_layers
+    if not 0 <= dense < m.num_layers:
+        out.append(
+            f"model.moe_dense_layers={dense} must be from 0 to num_layers - 1 = {m.num_layers - 1} "
+            "(the first blocks with a dense MLP; every block dense is num_experts=0)"
+        )
+    elif dense and p.pp > 1 and p.virtual_stages > 1:
+        out.append(
+            f"model.moe_dense_layers={dense} under interleaved 1F1B (virtual_stages {p.virtual_stages}) is "
+            "not built: the estimator counts every chunk of a stage alike"
+        )
     return out
 
 

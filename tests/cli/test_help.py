@@ -199,13 +199,40 @@ def test_a_mixtral_config_json_is_the_mixtral_preset(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["config_id"] != mine["config_id"]
 
 
+def test_qwen_moe_dense_first_layers_are_read(tmp_path, capsys):
+    # issue 27: mlp_only_layers 0 … k − 1 (decoder_sparse_step 1) are the first k blocks with a dense MLP
+    # of intermediate_size (transformers' Qwen2MoeDecoderLayer)
+    shape = dict(model_type="qwen3_moe", num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768)
+    (tmp_path / "dense").mkdir()
+    (tmp_path / "sparse").mkdir()
+    dense = _config(tmp_path / "dense", **shape, mlp_only_layers=[0, 1])
+    assert main(["estimate", f"model.hf_config={dense}", "--cfg", "job"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)["model"]
+    assert (cfg["moe_dense_layers"], cfg["ffn_hidden_size"], cfg["num_experts"]) == (2, 14336, 128)
+    sparse = _config(tmp_path / "sparse", **shape, mlp_only_layers=[])
+    assert main(["estimate", f"model.hf_config={sparse}", "format=json"]) == 0
+    every = json.loads(capsys.readouterr().out)
+    assert main(["estimate", f"model.hf_config={dense}", "format=json"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first["config_id"] != every["config_id"]
+    # two blocks' 128 experts of 3·h·768 and their router become two SwiGLUs of 3·h·14336 (FP32 params)
+    h = 4096
+    per_block = 128 * 3 * h * 768 + h * 128 - 3 * h * 14336
+    assert every["params_bytes"] - first["params_bytes"] == 4 * 2 * per_block
+
+
 @pytest.mark.parametrize(
     ("changes", "named"),
     [
         ({"model_type": "deepseek_v3", "n_routed_experts": 256}, "model_type 'deepseek_v3'"),
         (
-            {"model_type": "qwen2_moe", "num_experts": 60, "num_experts_per_tok": 4, "mlp_only_layers": [0]},
-            "cannot model dense layers among expert layers (decoder_sparse_step 1, mlp_only_layers [0])",
+            {"model_type": "qwen2_moe", "num_experts": 60, "num_experts_per_tok": 4, "mlp_only_layers": [1]},
+            "cannot model dense layers among expert layers, only the first k of them (decoder_sparse_step 1, "
+            "mlp_only_layers [1])",
+        ),
+        (
+            dict(model_type="qwen3_moe", num_experts=128, num_experts_per_tok=8, decoder_sparse_step=2),
+            "(decoder_sparse_step 2, mlp_only_layers [])",
         ),
         (
             {"num_local_experts": 8, "num_experts_per_tok": 2},

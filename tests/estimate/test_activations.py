@@ -11,6 +11,7 @@ from conftest import in_fresh_process, replace, spec
 
 from harness.estimate import activations as act
 from harness.estimate import buffers as buf
+from harness.estimate import checkpoints as ck
 from harness.estimate import pipeline as pipe
 from harness.estimate.dtypes import torch_autocast
 
@@ -288,7 +289,7 @@ def test_full_recompute_every_nth_block():
     # 2 full layers (TORCH_LAYER each), plus the 4th's recomputation (TORCH_LAYER − 131,072).
     s = spec("tiny", **BASE, train_recompute="full", train_recompute_every=2)
     m, p, t = s.model, s.parallel, s.train
-    assert act.checkpointed_layers(m, p, t) == 2
+    assert ck.checkpointed_layers(m, p, t) == 2
     stage = act.stage_layer_activations(m, p, t, stage=0, engine="torch")
     assert stage == 2 * 131_072 + 2 * TORCH_LAYER + TORCH_LAYER - 131_072
     # Every 3rd: only the 3rd block is checkpointed; the 4th keeps everything, and backward frees it
@@ -305,7 +306,7 @@ def test_full_recompute_every_nth_block():
     )
     # Under pp 2 each stage's chunk of 2 blocks is counted on its own: 1 checkpointed per chunk.
     pp = replace(s, parallel_pp=2, train_num_microbatches=2)
-    assert act.checkpointed_layers(pp.model, pp.parallel, pp.train) == 1
+    assert ck.checkpointed_layers(pp.model, pp.parallel, pp.train) == 1
 
 
 def _stage(s, engine="torch"):
@@ -320,8 +321,8 @@ def test_megatron_uniform_method_recomputes_a_group_at_once():
         "tiny", **BASE, train_recompute="full", train_recompute_every=2, train_recompute_method="uniform"
     )
     m, p, t = s.model, s.parallel, s.train
-    assert act.checkpointed_layers(m, p, t) == 2
-    assert act.recomputed_layers(m, p, t) == 4
+    assert ck.checkpointed_layers(m, p, t) == 2
+    assert ck.recomputed_layers(m, p, t) == 4
     assert act.recompute_working_set(m, p, t, engine="torch") == 2 * TORCH_LAYER - 131_072
     assert _stage(s) == 262_144 + 2 * TORCH_LAYER - 131_072
     # megatron: 2,359,296 per layer: 262,144 + 2 · 2,359,296 − 131,072 = 4,849,664.
@@ -334,7 +335,7 @@ def test_megatron_uniform_method_recomputes_a_group_at_once():
     assert _stage(replace(s, train_recompute_every=4)) == _stage(none) == 4 * TORCH_LAYER
     # pp 2: each stage's chunk of 2 blocks is one group.
     pp = replace(s, parallel_pp=2, train_num_microbatches=2)
-    assert act.checkpointed_layers(pp.model, pp.parallel, pp.train) == 1
+    assert ck.checkpointed_layers(pp.model, pp.parallel, pp.train) == 1
 
 
 def test_megatron_block_method_checkpoints_the_first_blocks():
@@ -343,7 +344,7 @@ def test_megatron_block_method_checkpoints_the_first_blocks():
     # the 2nd, so no working set: 262,144 + 2 · TORCH_LAYER.
     s = spec("tiny", **BASE, train_recompute="full", train_recompute_every=2, train_recompute_method="block")
     m, p, t = s.model, s.parallel, s.train
-    assert act.checkpointed_layers(m, p, t) == act.recomputed_layers(m, p, t) == 2
+    assert ck.checkpointed_layers(m, p, t) == ck.recomputed_layers(m, p, t) == 2
     assert act.recompute_working_set(m, p, t, engine="torch") == 0
     assert _stage(s) == 262_144 + 2 * TORCH_LAYER
     # Every 2nd (torchtitan) keeps the same, but its last block is checkpointed: + TORCH_LAYER − 131,072.

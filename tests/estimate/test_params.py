@@ -202,3 +202,37 @@ def test_qwen2_counts_its_qkv_biases():
     assert qkv_bias_params(m) == 3584 + 2 * 512
     assert total_params(m) == 7_615_616_512
     assert total_params(dataclasses.replace(m, qkv_bias=False)) == 7_615_616_512 - 28 * 4608
+
+
+def test_dense_first_layers_make_each_stage_from_its_own_blocks():
+    # model.moe_dense_layers (issue 27): Qwen3-30B-A3B's 48 blocks with the first 12 or 6 dense (SwiGLU of
+    # 6,144), pp 4: a stage of dense blocks only is estimated as the dense model's stage, a stage of
+    # expert blocks only as the mixture's, and a mixed stage counts each kind at its own size.
+    from harness.estimate.flops import model_flops_per_step
+    from harness.spec import canonical, stage_view
+
+    base = spec("qwen3_30b_a3b", "h100_80gb", parallel_pp=4, train_num_microbatches=4, train_precision="bf16")
+
+    def with_model(**fields):
+        return canonical(dataclasses.replace(base, model=dataclasses.replace(base.model, **fields)))
+
+    dense12, moe, dense = with_model(moe_dense_layers=12), base, with_model(num_experts=0)
+    got = estimate(dense12, engine="torch").stages
+    assert got[0].terms == estimate(dense, engine="torch").stages[0].terms
+    assert [s.terms for s in got[1:]] == [s.terms for s in estimate(moe, engine="torch").stages[1:]]
+    # six of each on stage 0: the parameters by kind, and the saved activations by kind (no recompute)
+    dense6 = with_model(moe_dense_layers=6)
+    one_dense, one_moe = layer_params(dense.model), layer_params(moe.model)
+    embedding = moe.model.vocab_size * moe.model.hidden_size
+    first = stage_view(dense6, 0).model  # the stage as its estimate reads it
+    assert stage_params(first, stage=0, pp=4) == embedding + 6 * one_dense + 6 * one_moe
+    mixed = estimate(dense6, engine="torch").stages[0].terms
+    all_moe = estimate(moe, engine="torch").stages[0].terms
+    assert mixed["params"] - all_moe["params"] == 4 * 6 * (one_dense - one_moe)  # FP32 parameters
+    assert estimate(dense6, engine="torch").stages[1].terms == got[1].terms
+    pure = [estimate(s, engine="torch").stages[0].terms["activations"] for s in (dense, moe)]
+    assert min(pure) < mixed["activations"] < max(pure)
+    # the whole model: 12 dense blocks' parameters and FLOPs in place of 12 expert blocks'
+    assert total_params(dense12.model) == total_params(moe.model) - 12 * (one_moe - one_dense)
+    flops = {s: model_flops_per_step(x) for s, x in (("m", moe), ("d", dense), ("12", dense12))}
+    assert flops["12"] == flops["m"] + (flops["d"] - flops["m"]) * 12 // 48

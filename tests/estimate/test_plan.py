@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from conftest import spec
 
 from harness.estimate.plan import PlanOptions, candidate_groups, candidates, plan
-from harness.spec import canonical_form, layout_problems, problems
+from harness.spec import canonical, canonical_form, layout_problems, problems
 
 
 def test_candidates_are_canonical_and_cover_every_degree_split():
@@ -122,6 +124,33 @@ def test_interleaved_middle_ranks_can_be_the_most_loaded_and_plan_computes_them(
     assert every.worst.stage not in (0, 7)
     assert dominant_stages(s.parallel, s.train) == tuple(range(8))
     few = estimate_canonical(s, stages=dominant_stages(s.parallel, s.train))
+    assert few.total_bytes == every.total_bytes
+
+
+def test_the_first_expert_stage_after_dense_first_layers_is_among_the_dominant_stages():
+    # Qwen3-30B-A3B with its first 12 blocks dense over pp 8 (6 blocks a stage): stages 0 and 1 dense,
+    # stage 2 the first of the expert stages and, with 6 micro-batches in flight, the most loaded; the
+    # stages 0, 1 and the last alone missed it (issue 27)
+    from harness.estimate import estimate
+    from harness.estimate.core import estimate_canonical
+    from harness.estimate.peaks import dominant_stages
+
+    s = spec(
+        "qwen3_30b_a3b",
+        "h100_80gb",
+        parallel_pp=8,
+        parallel_dp=8,
+        parallel_zero_stage=1,
+        train_num_microbatches=8,
+        train_precision="bf16",
+        train_seq_len=8192,
+    )
+    s = canonical(dataclasses.replace(s, model=dataclasses.replace(s.model, moe_dense_layers=12)))
+    every = estimate(s)
+    assert every.worst.stage == 2
+    assert 2 in dominant_stages(s.parallel, s.train, s.model)
+    assert 2 not in dominant_stages(s.parallel, s.train)  # (without the model: its blocks unknown)
+    few = estimate_canonical(s, stages=dominant_stages(s.parallel, s.train, s.model))
     assert few.total_bytes == every.total_bytes
 
 

@@ -47,6 +47,23 @@ def test_a_moe_spec_is_checked_with_its_arithmetic():
         "model.moe_aux_loss_coeff=-0.1 must be a finite number >= 0",
         "tensor parallelism of expert layers is not built yet (issue 27): tp 2 with num_experts 8",
     ]
+    # dense first layers: fewer than the model's blocks, and not under interleaving (chunks counted alike)
+    for dense, overrides, message in [
+        (4, {}, "model.moe_dense_layers=4 must be from 0 to num_layers - 1 = 3"),
+        (-1, {}, "model.moe_dense_layers=-1 must be from 0"),
+        (
+            1,
+            dict(pp=2, virtual_stages=2, pp_schedule="interleaved_1f1b"),
+            "model.moe_dense_layers=1 under interleaved 1F1B (virtual_stages 2) is not built",
+        ),
+    ]:
+        layered = dataclasses.replace(
+            s,
+            model=dataclasses.replace(s.model, moe_dense_layers=dense),
+            parallel=dataclasses.replace(s.parallel, world_size=None, **overrides),
+        )
+        with pytest.raises(InvalidSpec, match=re.escape(message)):
+            canonical(layered)
     with pytest.raises(
         InvalidSpec, match=r"moe_imbalance · experts_per_token = 1.3·2 = 2.6\) a whole number"
     ):
@@ -138,6 +155,8 @@ VARIANTS = {
     # the load-balancing loss, under a routing it can pull on (a balanced one gives it no gradient:
     # Σ f_i·P_i is 1/E whatever the router says when every f_i is 1/E)
     "aux-loss": dict(moe_aux_loss_coeff=0.5),
+    # the first block's MLP dense (DeepSeek's first_k_dense_replace): under pp 2 stage 0 mixes both kinds
+    "dense-first": dict(moe_dense_layers=1),
 }
 # Training keys a variant runs with, in its reference and in every layout.
 VARIANT_TRAIN = {"aux-loss": dict(train_moe_imbalance=2.0)}
@@ -199,6 +218,7 @@ FAST = {
     ("shared-sigmoid-top3", "dp2-cp2-ep4-accumulate2"),
     ("aux-loss", "dp2-cp2-ep4-accumulate2"),
     ("aux-loss", "pp2-1f1b"),
+    ("dense-first", "pp2-dp2-ep2"),
 }
 CASES = [
     pytest.param(v, n, id=f"{v}-{n}", marks=() if (v, n) in FAST else pytest.mark.slow)
@@ -296,6 +316,27 @@ MEMORY_POINTS = {
     ),
 }
 
+# Dense first layers (model.moe_dense_layers; params.chunk_blocks: each kind of block at its own size),
+# when written: 1.0009, 1.0024/1.0008, 1.0010, 1.0085/1.0008. Stage 0 of the last holds dense blocks
+# only, where the engine is a dense model's (tiny_moe's experts' width 96 as the dense MLP's read 2.0 %
+# over there, as a dense model of that shape does: a property of MLPs narrower than h, not of the kinds).
+MEMORY_POINTS.update(
+    {
+        "dense-first-bf16": dict(train_precision="bf16", model=dict(moe_dense_layers=1)),
+        "dense-first-pp2-bf16": dict(
+            train_precision="bf16", parallel_pp=2, train_num_microbatches=2, model=dict(moe_dense_layers=1)
+        ),
+        "dense-first-op-bf16": dict(
+            train_precision="bf16", train_recompute="op", model=dict(moe_dense_layers=1)
+        ),
+        "dense-stage-pp2-bf16": dict(
+            train_precision="bf16",
+            parallel_pp=2,
+            train_num_microbatches=2,
+            model=dict(moe_dense_layers=2, ffn_hidden_size=352),
+        ),
+    }
+)
 
 # Expert parallelism (moe.received_rows: each rank's experts run the rows the all-to-all brings; under
 # op the all-to-all's two outputs kept, traced: 6.1 % under without them), when written: 1.004, 1.004,
@@ -322,7 +363,11 @@ MEMORY_POINTS.update(
 
 
 @pytest.mark.parametrize(
-    "name", fast_few(MEMORY_POINTS, {"op-pp2-fp32", "qwen3-like-pp2-dp2-zero3", "dp4-ep2-zero3-bf16"})
+    "name",
+    fast_few(
+        MEMORY_POINTS,
+        {"op-pp2-fp32", "qwen3-like-pp2-dp2-zero3", "dp4-ep2-zero3-bf16", "dense-first-pp2-bf16"},
+    ),
 )
 def test_moe_every_stage_measures_its_estimate(name):
     # (named layouts are allowed up to 6 % over: see MEMORY_POINTS)
