@@ -38,7 +38,12 @@ from __future__ import annotations
 from harness.estimate.attention import math_attention_bytes, rope_table_bytes
 from harness.estimate.checkpoints import checkpointed_layers, covered_blocks
 from harness.estimate.dtypes import elem_bytes, norm_elem_bytes, norm_tensors
-from harness.estimate.moe import moe_backward_working_set, moe_layer_bytes, moe_op_bytes
+from harness.estimate.moe import (
+    megatron_moe_layer_bytes,
+    moe_backward_working_set,
+    moe_layer_bytes,
+    moe_op_bytes,
+)
 from harness.estimate.params import layer_params
 from harness.spec import ModelSpec, ParallelSpec, TrainSpec
 
@@ -107,7 +112,10 @@ def layer_activation_bytes(
     moe = 0
     if m.moe:  # the MLP is a mixture of experts: its input and what it keeps (harness/estimate/moe.py)
         inputs, mlp = inputs - (2 if autocast else 1) * sbh // inputs_div, 0
-        moe = moe_layer_bytes(m, p, t, autocast=autocast)
+        if engine == "megatron":
+            moe = megatron_moe_layer_bytes(m, p, t)
+        else:
+            moe = moe_layer_bytes(m, p, t, autocast=autocast)
     rope = rope_table_bytes(m, p, t) if engine == "torch" else 0
     return (
         elem_bytes(t.precision) * (inputs + q_out + kv + mlp + mask)

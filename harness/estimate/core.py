@@ -207,8 +207,9 @@ def estimate_canonical(
         notes = tuple(f"torch: {u}; the figure is the engine's arithmetic, never measured" for u in unbuilt)
     if engine == "megatron" and spec.model.moe:
         notes = (
-            "megatron: the expert blocks' activations are the torch runner's (torchtitan's layer, "
-            "harness/estimate/moe.py); Megatron's token dispatchers are not modelled",
+            "megatron: the expert blocks' activations are Megatron-LM's alltoall dispatcher with "
+            "TransformerEngine's grouped GEMM, read from its source (harness/estimate/moe.py), never "
+            "measured; under op recomputation torchtitan's policy",
         )
     if engine == "megatron" and spec.train.loss_chunks > 1:
         notes += (

@@ -92,6 +92,41 @@ def moe_layer_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast: bo
     return router + dispatch + experts + combine + shared
 
 
+def megatron_moe_layer_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
+    """Bytes one MoE block's MLP keeps for backward for one micro-batch on one rank (megatron engine):
+    Megatron-LM's MoE layer with the alltoall token dispatcher, unfused permutation, TransformerEngine's
+    grouped GEMM and its fused weighted SwiGLU (the defaults of a Mixtral/Qwen3-MoE recipe), read tensor
+    by tensor at Megatron-LM d98e8a6 and TransformerEngine d0067d0 (docs/mixture-of-experts.md §2.1).
+    With T tokens, N = T·k routed rows, R the rows this rank's experts receive (:func:`received_rows`),
+    e the compute dtype's size and b the router's (its logits' dtype: e, ``moe_router_dtype`` unset):
+
+      the layer's input (the router's GEMM saves it; the shared experts' fc1 the same)  e·T·h
+      top-k indices, int64, and the top-k softmax, FP32            8·T·k + 4·T·k
+      the argsort of the (E, T) routing map, int64 (a [:N] slice view keeps all of it)   8·T·E
+      the permutation's sorted indices, int64                      8·N
+      fc1's input (split views), fc1's output (2f), fc2's input (f), the permuted probs  R·(e·(h + 3f) + b)
+      the load-balancing loss's softmax over all experts, FP32     4·T·E          (``moe_aux_loss_coeff``)
+      shared experts: fc1's output and fc2's input                 3·e·T·f_s
+      the dispatcher's state, until the layer's next forward: the probs and the routing map  T·E·(b + 1)
+
+    The last is one copy per layer, counted here with the rest per micro-batch (an over-count of the
+    in-flight micro-batches less one under a pipeline). Not the torch engine's layer (torchtitan's,
+    :func:`moe_layer_bytes`): Megatron keeps no FP32 copy of the input for the router or of the experts'
+    output for the combine, and multiplies the gates inside the experts' activation. Megatron's own
+    ``theoretical_memory_usage.py`` counts a MoE block with the dense formula (ffn_hidden_size, no
+    top-k), so it is no source for these."""
+    h, big_e, k = m.hidden_size, m.num_experts, m.experts_per_token
+    tokens, rows = routed_rows(m, p, t)
+    e = elem_bytes(t.precision)
+    recv = sum(received_rows(m, p, t))
+    kept = e * tokens * h + 12 * tokens * k + 8 * tokens * big_e + 8 * rows
+    kept += recv * (e * (h + 3 * m.moe_ffn_hidden_size) + e)
+    if m.moe_aux_loss_coeff:
+        kept += 4 * tokens * big_e
+    kept += 3 * e * tokens * m.moe_ffn_hidden_size * m.num_shared_experts
+    return kept + tokens * big_e * (e + 1)
+
+
 def moe_mlp_flops_per_token(m: ModelSpec) -> int:
     """Forward and backward FLOPs of one MoE block's MLP per token (6 per multiply-add weight): the
     router h·E and the active experts' 3·h·f_e·k plus the shared experts' 3·h·f_s — from the active

@@ -399,9 +399,45 @@ def test_the_paper_and_megatron_engines_say_what_they_do_with_experts():
     s = spec("mixtral_8x7b", "h100_80gb")
     assert any("has no experts" in n for n in estimate(s, engine="paper").notes)
     assert any(
-        "Megatron's token dispatchers are not modelled" in n for n in estimate(s, engine="megatron").notes
+        "Megatron-LM's alltoall dispatcher with TransformerEngine's grouped GEMM" in n
+        for n in estimate(s, engine="megatron").notes
     )
     assert estimate(s, engine="torch").notes == ()
+
+
+def test_the_megatron_engine_counts_megatrons_own_moe_tensors():
+    # Mixtral-8x7B, one rank, s 8192, BF16: Megatron-LM's saved tensors of one MoE block's MLP (alltoall
+    # dispatcher, TE grouped GEMM with the fused weighted SwiGLU; moe.megatron_moe_layer_bytes), listed
+    # one by one (T tokens, N = 2T rows, E 8, h 4096, f 14336)
+    from harness.estimate.activations import layer_activation_bytes
+    from harness.estimate.moe import megatron_moe_layer_bytes, moe_layer_bytes
+
+    s = spec("mixtral_8x7b", "h100_80gb", train_precision="bf16", train_seq_len=8192)
+    m, p, t = s.model, s.parallel, s.train
+    T, N, E, h, f = 8192, 16384, 8, 4096, 14336
+    tensors = {
+        "input": 2 * T * h,
+        "top-k indices": 8 * T * 2,
+        "top-k softmax": 4 * T * 2,
+        "argsort": 8 * T * E,
+        "sorted indices": 8 * N,
+        "fc1 input": 2 * N * h,
+        "fc1 output": 2 * N * 2 * f,
+        "fc2 input": 2 * N * f,
+        "permuted probs": 2 * N,
+        "dispatcher probs and map": T * E * 3,
+    }
+    assert megatron_moe_layer_bytes(m, p, t) == sum(tensors.values())
+    # torchtitan's layer keeps FP32 copies Megatron's does not (the router's input, the combine's rows)
+    assert moe_layer_bytes(m, p, t, autocast=False) - megatron_moe_layer_bytes(m, p, t) > 4 * N * h
+    # the block: the dense part's tensors as for a dense model, the MLP's input counted once
+    dense = dataclasses.replace(s.model, num_experts=0)
+    block = layer_activation_bytes(m, p, t, engine="megatron")
+    mlp = 2 * (T * h + 4 * T * f)  # a dense SwiGLU of f, BF16: its input and 4·s·b·f elements
+    assert (
+        block - megatron_moe_layer_bytes(m, p, t)
+        == layer_activation_bytes(dense, p, t, engine="megatron") - mlp
+    )
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
