@@ -1,6 +1,7 @@
 """How well the step-time model ranks layouts on a study, held out, against plan's old proxy (issue 17).
 
     .venv/bin/python scripts/steptime_eval.py [results_dir] [--group-by world|model|layout]
+        [--without TERM,...]
 
 Reads the study (default results/cpu_study; read-only, no profile is written) and prints, per (model,
 world size) group of runs that fit: the Spearman correlation of predicted and measured tokens/s and the
@@ -12,6 +13,7 @@ top-1 ratio (measured tokens/s of the layout predicted fastest / best measured),
 Then the fitted terms, and the measured step-time spread where the study recorded one. With
 ``--repeat DIR`` (the same points run again into another directory), the noise ceiling: the same
 figures with the second run's measurement as the "prediction" of the first, which no model can beat.
+With ``--without ep,ep_latency`` (say), the same figures from a fit without those terms: what they add.
 """
 
 from __future__ import annotations
@@ -71,11 +73,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("results_dir", nargs="?", default="results/cpu_study")
     ap.add_argument("--group-by", default="world", choices=("world", "model", "layout"))
     ap.add_argument("--repeat", help="a results directory with the same points run again")
+    ap.add_argument("--without", default="", help="terms left out of the fit, comma-separated")
     args = ap.parse_args(argv)
+    without = tuple(t for t in args.without.split(",") if t)
     frame, bad = load_results(args.results_dir)
     for line in bad:
         print(f"unreadable: {line}", file=sys.stderr)
-    st = evaluate_step_time(frame, group_by=args.group_by)
+    st = evaluate_step_time(frame, group_by=args.group_by, without=without)
     if st is None:
         print(f"{args.results_dir}: too few timed runs to fit a step-time model")
         return 1
@@ -84,6 +88,7 @@ def main(argv: list[str]) -> int:
     print(
         f"{args.results_dir}: {m['fit_runs']} timed runs fitted (ok + simulated out-of-memory), "
         f"{m['judged_runs']} that fit judged; held out by {args.group_by} ({len(st.fold_coefs)} folds)"
+        + (f"; without {', '.join(without)}" if without else "")
     )
     held = pd.DataFrame(m["groups"])
     print(f"held-out step time: median APE {m['median_ape']:.1%}, p95 {m['p95_ape']:.1%}")

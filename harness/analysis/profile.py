@@ -23,6 +23,7 @@ from harness import __version__
 from harness.estimate import TERMS, levels
 from harness.estimate.core import Estimate
 from harness.estimate.params import total_params
+from harness.estimate.steptime import ADDED_TERMS as ADDED_STEP_TIME_TERMS
 from harness.estimate.steptime import TERMS as STEP_TIME_TERMS
 from harness.estimate.steptime import StepTimeModel
 from harness.estimate.terms import STATE_TERMS, STEP_TERMS
@@ -359,7 +360,10 @@ def load_step_time(path: str | Path) -> StepTimeModel | None:
     coefs = section.get("coefficients") or {}
     if not isinstance(coefs, dict):
         raise CalibrationError(f"{where}.coefficients must be an object of term: seconds per unit")
-    changed = sorted(set(coefs) ^ set(STEP_TIME_TERMS))  # a term added or renamed since the fit
+    # A term added since the fit (ADDED_STEP_TIME_TERMS: expert parallelism's) is one no fitted run
+    # exercised: unfitted, coefficient 0, and said so (StepTimeModel.describe), as a refit would make it.
+    added = tuple(k for k in ADDED_STEP_TIME_TERMS if k not in coefs)
+    changed = sorted(set(coefs) ^ (set(STEP_TIME_TERMS) - set(added)))  # renamed, removed, missing
     bad = [k for k, v in coefs.items() if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0)]
     if changed or bad:
         raise CalibrationError(
@@ -368,10 +372,10 @@ def load_step_time(path: str | Path) -> StepTimeModel | None:
         )
     cores = section.get("cpu_cores")
     return StepTimeModel(
-        {k: float(v) for k, v in coefs.items()},
+        {k: float(coefs.get(k, 0.0)) for k in STEP_TIME_TERMS},
         float(section["constant_s"]),
         str(section["device"]),
         int(cores) if cores else None,
-        tuple(section.get("unfitted") or ()),
+        tuple(section.get("unfitted") or ()) + added,
         tuple(section.get("precisions") or ()),
     )

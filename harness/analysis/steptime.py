@@ -135,7 +135,9 @@ def ranking(runs: pd.DataFrame, predicted: np.ndarray) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def evaluate_step_time(frame: pd.DataFrame, *, group_by: str = "world") -> StepTimeEvaluation | None:
+def evaluate_step_time(
+    frame: pd.DataFrame, *, group_by: str = "world", without: tuple[str, ...] = ()
+) -> StepTimeEvaluation | None:
     """Fit the step-time model held out by ``group_by`` (world sizes by default: each run is predicted
     by a fit that never saw its world size) and judge it; None when the results hold fewer than 5
     timed runs or one group only.
@@ -143,7 +145,8 @@ def evaluate_step_time(frame: pd.DataFrame, *, group_by: str = "world") -> StepT
     The fit uses every timed run (ok, and simulated out-of-memory runs whose step was timed); the
     judgement, the runs that fit (status ok: the layouts ``plan`` ranks). ``median_ape``: held-out
     |predicted - measured| / measured of the step time; ``spearman_median`` and ``top1_ratio_median``:
-    the medians over (model, world size) groups of :func:`ranking`'s figures."""
+    the medians over (model, world size) groups of :func:`ranking`'s figures. ``without``: terms left
+    out of the fit (as if no run had them: an ablation, ``scripts/steptime_eval.py --without``)."""
     if group_by not in GROUPINGS:
         raise CalibrationError(f"group_by={group_by!r} must be one of {', '.join(GROUPINGS)}")
     runs = step_time_rows(frame)
@@ -156,6 +159,11 @@ def evaluate_step_time(frame: pd.DataFrame, *, group_by: str = "world") -> StepT
     n_groups = len(set(groups))
     if len(runs) < 5 or n_groups < 2:
         return None
+    unknown = set(without) - set(STEP_TIME_TERMS)
+    if unknown:
+        known = ", ".join(STEP_TIME_TERMS)
+        raise CalibrationError(f"without={sorted(unknown)}: not step-time terms ({known})")
+    runs = runs.assign(**{f"st_{k}": 0.0 for k in without})
     X = runs[[f"st_{k}" for k in STEP_TIME_TERMS]].to_numpy(dtype=float)
     y = runs["step_time_s"].to_numpy(dtype=float)
     held_out, coefs = np.full(len(y), np.nan), []

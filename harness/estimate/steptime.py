@@ -20,9 +20,12 @@ ESTIMATOR.md §7–§8. Every term is a count of work over the rate the device p
 - ``dp_replicated`` (ZeRO 0/1: DDP's bucketed all-reduce, overlapped with backward) and
   ``dp_sharded`` (ZeRO 2/3: FSDP's prefetched all-gathers and reduce-scatters): kept apart so that the
   fit learns how much of each family's traffic stays exposed (a coefficient below the others: hidden);
-- ``tp_latency``, ``cp_latency``, ``pp_latency``, ``dp_latency``: ring steps (n − 1 per collective
-  over n ranks, 2(n − 1) per all-reduce, 1 per point-to-point send) times the link's latency per step
-  (``link_latency_us`` inside a node, ``inter_node_latency_us`` for a group that spans nodes).
+- ``ep``: expert parallelism's all-to-alls (each expert block's routed rows to their experts' ranks and
+  back, forward and backward: ``comm.cost``'s ``ep_bytes``) over the ep group's link;
+- ``tp_latency``, ``cp_latency``, ``pp_latency``, ``dp_latency``, ``ep_latency``: ring steps (n − 1 per
+  collective over n ranks, 2(n − 1) per all-reduce, n − 1 per all-to-all, 1 per point-to-point send)
+  times the link's latency per step (``link_latency_us`` inside a node, ``inter_node_latency_us`` for a
+  group that spans nodes).
 
 Where a preset lacks a figure (the CPU preset has none) the term is in that figure's unit (1 TFLOP/s,
 1 GB/s, 1 µs) and the fitted coefficient carries the device's rate. A device may host several ranks
@@ -40,7 +43,7 @@ from harness.estimate.checkpoints import recomputed_layers
 from harness.estimate.comm import bubble_fraction, cost
 from harness.estimate.dtypes import elem_bytes
 from harness.estimate.flops import mlp_flops_per_token, model_flops_per_step
-from harness.estimate.params import chunk_blocks, stage_params
+from harness.estimate.params import chunk_blocks, expert_layers, expert_params, stage_params
 from harness.spec import DeviceSpec, RunSpec, busiest_stage_view
 
 TERMS = (
@@ -56,11 +59,15 @@ TERMS = (
     "pp",
     "dp_replicated",
     "dp_sharded",
+    "ep",
     "tp_latency",
     "cp_latency",
     "pp_latency",
     "dp_latency",
+    "ep_latency",
 )
+# Terms added after profiles were first committed: a stored profile without them loads with them unfitted.
+ADDED_TERMS = ("ep", "ep_latency")
 # The rate each term divides by, as the profile prints it; a preset without the figure uses the unit.
 _FLOPS, _MEMORY = "peak TFLOP/s; CPU: 1 TFLOP/s a core", "memory GB/s; CPU: 1 GB/s a core"
 _LINK, _LATENCY = "link GB/s; CPU: 1 GB/s", "µs per ring step; CPU: 1 µs"
@@ -71,8 +78,8 @@ UNITS = {
     "memory": _MEMORY,
     "overhead": "1 ms per layer pass",
     "optimizer": _MEMORY,
-    **{k: _LINK for k in ("tp", "tp_sp", "cp", "pp", "dp_replicated", "dp_sharded")},
-    **{k: _LATENCY for k in ("tp_latency", "cp_latency", "pp_latency", "dp_latency")},
+    **{k: _LINK for k in ("tp", "tp_sp", "cp", "pp", "dp_replicated", "dp_sharded", "ep")},
+    **{k: _LATENCY for k in ("tp_latency", "cp_latency", "pp_latency", "dp_latency", "ep_latency")},
 }
 OPTIMIZER_BYTES_PER_PARAM = 28  # AdamW in fp32: read param, grad, m, v; write param, m, v
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
@@ -137,18 +144,23 @@ def _dp_collectives(spec: RunSpec) -> tuple[float, float, int]:
     them 0), and the number of collectives. DDP all-reduces fp32 gradients once per step in buckets;
     FSDP all-gathers each layer's parameters per micro-batch (twice under ZeRO-3: forward and
     backward) and reduce-scatters its fp32 gradients once per step (gradient sync on the last one)."""
-    p, t = spec.parallel, spec.train
+    p, t, m = spec.parallel, spec.train, spec.model
     n = p.dp * p.cp
     if n == 1:
         return 0.0, 0.0, 0
-    params = stage_params(spec.model, stage=p.pp - 1, pp=p.pp, tp=p.tp)
-    frac = (n - 1) / n
+    # With expert parallelism a rank holds 1/ep of the experts, reduced over the dp·cp/ep ranks that hold
+    # the same ones (comm.cost's groups); the rest over dp·cp.
+    experts = expert_params(m, stage=p.pp - 1, pp=p.pp, ep=p.ep)
+    params = stage_params(m, stage=p.pp - 1, pp=p.pp, tp=p.tp, ep=p.ep)
+    groups = [(params - experts, n), (experts, n // p.ep)]
+    moved = sum((g - 1) / g * count for count, g in groups if g > 1)  # each group's (g − 1)/g of its share
     if p.zero_stage <= 1:
         buckets = max(1, math.ceil(params * 4 / DDP_BUCKET_BYTES))
-        return 2 * frac * params * 4, 0.0, buckets
+        return 2 * moved * 4, 0.0, buckets
     gathers = (1 if p.zero_stage == 2 else 2) * t.num_microbatches
-    units = spec.model.num_layers // p.pp + 1  # one FSDP unit per block, and the root
-    bytes_ = frac * params * (gathers * elem_bytes(t.precision) + 4)
+    # a unit per block and the root, and with expert parallelism each block's experts (parallel/data.py)
+    units = m.num_layers // p.pp + (expert_layers(m, p.pp) if p.ep > 1 else 0) + 1
+    bytes_ = moved * (gathers * elem_bytes(t.precision) + 4)
     return 0.0, bytes_, units * (gathers + 1)
 
 
@@ -190,13 +202,16 @@ def terms_of(spec: RunSpec, *, cpu_cores: int | None = None) -> dict[str, float]
     bw_cp, lat_cp = link(p.tp * p.cp)
     bw_pp, lat_pp = link(p.world // p.dp)
     bw_dp, lat_dp = link(p.world)
-    latency = {"tp": 0.0, "cp": 0.0, "pp": 0.0, "dp": 0.0}  # ring steps x the link's latency
+    bw_ep, lat_ep = link(p.tp * p.ep)  # an ep group: consecutive dp·cp ranks, tp innermost
+    latency = {"tp": 0.0, "cp": 0.0, "pp": 0.0, "dp": 0.0, "ep": 0.0}  # ring steps x the link's latency
     if p.tp > 1:  # two all-reduce-sized collectives forward, two backward, per layer and micro-batch
         latency["tp"] = 4 * layers * mb * passes * 2 * (p.tp - 1) * lat_tp
     if p.cp > 1:  # all-gather K and V forward, reduce-scatter their gradients backward
         latency["cp"] = 4 * layers * mb * passes * (p.cp - 1) * lat_cp
     if p.pp > 1:  # an activation forward, its gradient backward, per micro-batch and model chunk
         latency["pp"] = 2 * mb * p.virtual_stages * lat_pp
+    if p.ep > 1 and m.moe:  # each expert block's dispatch and combine, forward and backward: ep − 1 steps
+        latency["ep"] = 4 * expert_layers(m, p.pp) * mb * passes * (p.ep - 1) * lat_ep
     if dp_count:
         n = p.dp * p.cp
         latency["dp"] = dp_count * (2 if p.zero_stage <= 1 else 1) * (n - 1) * lat_dp
@@ -214,6 +229,7 @@ def terms_of(spec: RunSpec, *, cpu_cores: int | None = None) -> dict[str, float]
         "pp": c.pp_bytes * share / bw_pp,
         "dp_replicated": dp_rep * share / bw_dp,
         "dp_sharded": dp_shard * share / bw_dp,
+        "ep": c.ep_bytes * share / bw_ep,
         **{f"{axis}_latency": seconds * share for axis, seconds in latency.items()},
     }
 
@@ -258,4 +274,4 @@ class StepTimeModel:
         return [*lines, f"constant {self.constant_s:.4g} s"]
 
 
-__all__ = ["TERMS", "UNITS", "StepTimeModel", "sharing", "stage_flops", "terms_of"]
+__all__ = ["ADDED_TERMS", "TERMS", "UNITS", "StepTimeModel", "sharing", "stage_flops", "terms_of"]

@@ -96,6 +96,37 @@ def test_latency_per_ring_step_inside_a_node_and_across_nodes():
     assert math.isclose(ratio, 15 / 7, rel_tol=1e-12)
 
 
+def test_expert_parallel_all_to_alls_and_the_experts_reduction_by_hand():
+    # Qwen3-30B-A3B over dp 16 (two nodes of 8 H100s), ZeRO-3, s 8192, BF16, one micro-batch: each of
+    # 48 expert blocks sends its 8192·8 routed rows of h 2048 to their experts' ranks and back, forward
+    # and backward, (ep − 1)/ep of them across the link: inside a node at ep 8 (900 GB/s, 5 µs a step),
+    # across nodes at ep 16 (400 GB/s, 10 µs).
+    from harness.estimate.params import expert_params, stage_params
+
+    base = spec(
+        "qwen3_30b_a3b",
+        "h100_80gb",
+        parallel_dp=16,
+        parallel_zero_stage=3,
+        train_precision="bf16",
+        train_seq_len=8192,
+    )
+    rows_bytes = 48 * 4 * 8192 * 8 * 2048 * 2
+    for ep, gbps, step_us in ((8, 900e9, 5e-6), (16, 400e9, 10e-6)):
+        t = terms_of(replace(base, parallel_ep=ep))
+        assert math.isclose(t["ep"], rows_bytes * (ep - 1) / ep / gbps, rel_tol=1e-12)
+        assert math.isclose(t["ep_latency"], 4 * 48 * (ep - 1) * step_us, rel_tol=1e-12)
+    assert terms_of(base)["ep"] == terms_of(base)["ep_latency"] == 0  # ep 1: no all-to-all
+    # FSDP2 gathers every parameter twice and reduce-scatters its FP32 gradient; a rank's experts
+    # (1/ep of them) over the 16/ep ranks that hold the same ones, the rest over all 16 (400 GB/s)
+    s8 = replace(base, parallel_ep=8)
+    m = s8.model
+    experts = expert_params(m, stage=0, pp=1, ep=8)
+    rest = stage_params(m, stage=0, pp=1, ep=8) - experts
+    moved = rest * 15 / 16 + experts * 1 / 2
+    assert math.isclose(terms_of(s8)["dp_sharded"], moved * (2 * 2 + 4) / 400e9, rel_tol=1e-12)
+
+
 def test_cpu_ranks_share_the_machine():
     # 4 ranks on a 2-core machine: the machine does all 4 ranks' work, 4 / 2 = 2 cores' worth each.
     s = spec("tiny", "cpu", parallel_dp=4)
@@ -188,6 +219,13 @@ def test_evaluation_held_out_by_world_and_its_profile_section(tmp_path):
         path.write_text(json.dumps({"step_time": {**step_time_section(st), "coefficients": coefs}}))
         with pytest.raises(CalibrationError, match="refit it"):  # a term unknown, missing, negative
             load_step_time(path)
+    # A profile fitted before expert parallelism's terms existed loads with them unfitted, and says so.
+    older = {k: v for k, v in st.model.coefficients.items() if k not in ("ep", "ep_latency")}
+    path.write_text(json.dumps({"step_time": {**step_time_section(st), "coefficients": older}}))
+    old = load_step_time(path)
+    assert {"ep", "ep_latency"} <= set(old.unfitted) and old.coefficients["ep"] == 0
+    assert any(line.startswith("ep x 0") and "unfitted" in line for line in old.describe())
+    assert old.step_time_s(s) == pytest.approx(loaded.step_time_s(s))
 
 
 def test_plan_ranks_by_the_fitted_step_time():
