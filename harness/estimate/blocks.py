@@ -60,7 +60,7 @@ def layer_tensors(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast: bool
     # a mixture of experts (harness/estimate/moe.py): the routed rows, each expert's four SwiGLU
     # tensors on its share of them, the combine's FP32 product (sizes of a balanced routing)
     rows = routed_rows(m, p, t)[1]
-    per_expert = rows // m.num_experts * m.moe_ffn_hidden_size * e
+    per_expert = rows // m.num_experts * (m.moe_ffn_hidden_size // p.tp) * e  # (tp: sharded as an MLP)
     return (
         attention + (rows * m.hidden_size * e, rows * m.hidden_size * 4) + (per_expert,) * (4 * m.num_experts)
     )

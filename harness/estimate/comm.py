@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from harness.estimate.dtypes import elem_bytes
 from harness.estimate.flops import hardware_flops_per_step, model_flops_per_step
-from harness.estimate.params import expert_layers, expert_params, stage_params
-from harness.spec import RunSpec, busiest_stage_view
+from harness.estimate.params import chunk_blocks, expert_layers, expert_params, stage_params
+from harness.spec import ModelSpec, RunSpec, busiest_stage_view
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,15 @@ def bubble_fraction(spec: RunSpec) -> float:
     return (p.pp - 1) / (spec.train.num_microbatches * p.virtual_stages)
 
 
+def tp_collectives(m: ModelSpec) -> int:
+    """All-reduce-sized tensor-parallel collectives of one block per micro-batch, forward and backward, in
+    units of the block's hidden states (s·b·h/c): 4 for a dense block; an expert block's attention 2,
+    its experts 2·k (every tp rank runs every routed row), its shared experts 2."""
+    if not m.moe:
+        return 4
+    return 2 + 2 * m.experts_per_token + (2 if m.num_shared_experts else 0)
+
+
 def cost(spec: RunSpec) -> Cost:
     """Communication and bubble of a canonical spec, and its step-time proxy on ``spec.device`` (of its
     busiest pipeline stage where ``parallel.pp_layers`` makes them uneven)."""
@@ -57,8 +66,11 @@ def cost(spec: RunSpec) -> Cost:
     layers = m.num_layers // p.pp
     sbh = t.seq_len // p.cp * t.micro_batch_size * m.hidden_size
     passes = 1.5 if t.recompute == "full" else 1.0  # recomputed forwards repeat their collectives
-    # Tensor parallel: two all-reduce-sized collectives forward and two backward per layer.
-    tp_bytes = layers * 4 * sbh * e * 2 * (p.tp - 1) / p.tp * mb * passes
+    # Tensor parallel: two all-reduce-sized collectives forward and two backward per layer; in an expert
+    # block (harness/runner/parallel/tensor.py moe_plan) the MLP's two are each expert's output and its
+    # input gradient over the k·T routed rows, and the shared experts' (a dense MLP's).
+    units = sum(n * tp_collectives(kind) for kind, n in chunk_blocks(m, p.pp))
+    tp_bytes = units * sbh * e * 2 * (p.tp - 1) / p.tp * mb * passes
     # Context parallel: all-gather K and V forward, reduce-scatter their gradients backward.
     kv = 2 * (t.seq_len // p.cp * t.micro_batch_size * m.kv_width) / p.tp * e
     cp_bytes = layers * kv * (p.cp - 1) * 2 * mb * passes
@@ -67,7 +79,7 @@ def cost(spec: RunSpec) -> Cost:
     shards = p.dp * p.cp
     # With expert parallelism a rank's experts (1/ep of them) are reduced over the dp·cp/ep ranks that
     # hold the same ones, the rest over dp·cp.
-    experts = expert_params(m, stage=0, pp=p.pp, ep=p.ep)
+    experts = expert_params(m, stage=0, pp=p.pp, ep=p.ep, tp=p.tp)
     groups = [(stage_params(m, stage=0, pp=p.pp, tp=p.tp, ep=p.ep) - experts, shards)]
     if experts:
         groups.append((experts, shards // p.ep))

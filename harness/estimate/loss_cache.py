@@ -157,7 +157,7 @@ def fsdp_root_segments(spec: RunSpec, stage: int) -> int:
         return 0
     # on the all-gather stream beside them: the largest unit's all-gather input (its shard, copied into
     # a flat buffer), and the last layer's all-gather output (its experts' too under expert parallelism)
-    experts = layer_expert_params(m, ep=p.ep) if p.ep > 1 else 0
+    experts = layer_expert_params(m, ep=p.ep, tp=p.tp) if p.ep > 1 else 0
     layer = [e * (layer_params(m, tp=p.tp, ep=p.ep) - experts)] + ([e * experts] if experts else [])
     stream = [max(units) // (p.dp * p.cp), *layer]
     loss_blocks = 4 * t.seq_len * t.micro_batch_size * m.vocab_size // (p.tp * p.cp) // t.loss_chunks

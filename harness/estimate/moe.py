@@ -64,8 +64,7 @@ def received_rows(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> list[int]:
 
 
 def moe_layer_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast: bool) -> int:
-    """Bytes one MoE block's MLP keeps for backward for one micro-batch on one rank (torch engine;
-    tensor parallelism of experts is refused by validation)."""
+    """Bytes one MoE block's MLP keeps for backward for one micro-batch on one rank (torch engine)."""
     h, big_e, k = m.hidden_size, m.num_experts, m.experts_per_token
     tokens, rows = routed_rows(m, p, t)
     e = elem_bytes(t.precision)
@@ -77,10 +76,12 @@ def moe_layer_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast: bo
     # rows the all-to-all brought (the routed buffer it sent is kept by nothing).
     recv = sum(received_rows(m, p, t))
     dispatch = 16 * rows + e * recv * h
-    experts = 4 * e * recv * m.moe_ffn_hidden_size
+    # Under tensor parallelism every tp rank runs the layer on all its tokens, each expert sharded as an
+    # MLP is (harness/runner/parallel/tensor.py moe_plan): the SwiGLU tensors by t, the rest whole.
+    experts = 4 * e * recv * (m.moe_ffn_hidden_size // p.tp)
     combine = 4 * rows * h + 4 * rows
     shared = 0
-    f_shared = m.moe_ffn_hidden_size * m.num_shared_experts
+    f_shared = m.moe_ffn_hidden_size * m.num_shared_experts // p.tp
     if f_shared:
         if autocast:
             shared_input = 2 * e * tokens * h
@@ -116,15 +117,19 @@ def megatron_moe_layer_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int
     ``theoretical_memory_usage.py`` counts a MoE block with the dense formula (ffn_hidden_size, no
     top-k), so it is no source for these."""
     h, big_e, k = m.hidden_size, m.num_experts, m.experts_per_token
-    tokens, rows = routed_rows(m, p, t)
+    tokens, _ = routed_rows(m, p, t)
     e = elem_bytes(t.precision)
     recv = sum(received_rows(m, p, t))
-    kept = e * tokens * h + 12 * tokens * k + 8 * tokens * big_e + 8 * rows
-    kept += recv * (e * (h + 3 * m.moe_ffn_hidden_size) + e)
+    # Under tensor parallelism (Megatron requires sequence parallelism with it) a rank routes its s/t
+    # sequence shard, and the dispatcher all-gathers the received rows over the expert-TP group (ETP =
+    # TP, Megatron's default): fc1's input is every tp rank's rows, the SwiGLU tensors are sharded by t.
+    mine = tokens // p.tp
+    kept = e * mine * h + 12 * mine * k + 8 * mine * big_e + 8 * mine * k
+    kept += recv * (e * (h + 3 * m.moe_ffn_hidden_size // p.tp) + e)
     if m.moe_aux_loss_coeff:
-        kept += 4 * tokens * big_e
-    kept += 3 * e * tokens * m.moe_ffn_hidden_size * m.num_shared_experts
-    return kept + tokens * big_e * (e + 1)
+        kept += 4 * mine * big_e
+    kept += 3 * e * tokens * m.moe_ffn_hidden_size * m.num_shared_experts // p.tp
+    return kept + mine * big_e * (e + 1)
 
 
 def moe_mlp_flops_per_token(m: ModelSpec) -> int:
@@ -169,9 +174,11 @@ def moe_op_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
         # layer at the peak, with DDP and with FSDP2; dp 4 × ep 2 ZeRO-3 read 6.1 % under without them.
         kept += e * sum(rows) * h + e * routed * h
     index = 6
-    widths = [(n, (f, f, h)) for n in rows]
+    # under tensor parallelism w1's and w3's outputs by t; w2's is the row-parallel matmul's partial
+    # sum, full width (op_layer_bytes' rule for a dense MLP)
+    widths = [(n, (f // p.tp, f // p.tp, h)) for n in rows]
     if m.num_shared_experts:
-        fs = f * m.num_shared_experts
+        fs = f * m.num_shared_experts // p.tp
         widths.append((tokens, (fs, fs, h)))
     for n, outs in widths:
         for width in outs:  # w1, w3, w2

@@ -52,10 +52,19 @@ def qkv_bias_params(m: ModelSpec) -> int:
     return m.q_width + 2 * m.kv_width
 
 
+def router_params(m: ModelSpec) -> int:
+    """A mixture of experts' router, h·E, replicated on every tensor-parallel rank
+    (harness/runner/parallel/tensor.py ``moe_plan``); 0 for a dense model or block."""
+    return m.hidden_size * m.num_experts if m.moe else 0
+
+
 def layer_params(m: ModelSpec, *, tp: int = 1, ep: int = 1) -> int:
-    """Parameters of one transformer layer on one tensor-parallel rank (norm weights replicated; Qwen3's
-    query and key norms of d each); with expert parallelism, its share of the experts."""
-    return (layer_matrix_params(m, ep=ep) + qkv_bias_params(m)) // tp + 2 * m.hidden_size + qk_norm_params(m)
+    """Parameters of one transformer layer on one tensor-parallel rank (norm weights and a router
+    replicated; Qwen3's query and key norms of d each); with expert parallelism, its share of the
+    experts."""
+    router = router_params(m)
+    sharded = layer_matrix_params(m, ep=ep) - router + qkv_bias_params(m)
+    return sharded // tp + router + 2 * m.hidden_size + qk_norm_params(m)
 
 
 def qk_norm_params(m: ModelSpec) -> int:
@@ -109,15 +118,15 @@ def stage_params(m: ModelSpec, *, stage: int, pp: int, tp: int = 1, ep: int = 1)
     return layers + non_layer_params(m, stage=stage, pp=pp, tp=tp)
 
 
-def expert_params(m: ModelSpec, *, stage: int, pp: int, ep: int = 1) -> int:
+def expert_params(m: ModelSpec, *, stage: int, pp: int, ep: int = 1, tp: int = 1) -> int:
     """The routed experts' parameters one rank of ``stage`` holds (1/ep of them; 0 for a dense model)."""
-    return expert_layers(m, pp) * layer_expert_params(m, ep=ep)
+    return expert_layers(m, pp) * layer_expert_params(m, ep=ep, tp=tp)
 
 
-def layer_expert_params(m: ModelSpec, *, ep: int = 1) -> int:
-    """The routed experts' parameters of one expert block on one rank (1/ep of them; 0 for a dense
-    model or block)."""
-    return 3 * m.hidden_size * m.moe_ffn_hidden_size * (m.num_experts // ep) if m.moe else 0
+def layer_expert_params(m: ModelSpec, *, ep: int = 1, tp: int = 1) -> int:
+    """The routed experts' parameters of one expert block on one rank (1/ep of them, each sharded over
+    the tp ranks as an MLP is; 0 for a dense model or block)."""
+    return 3 * m.hidden_size * m.moe_ffn_hidden_size * (m.num_experts // ep) // tp if m.moe else 0
 
 
 def expert_layers(m: ModelSpec, pp: int) -> int:
@@ -142,6 +151,8 @@ def param_numels(m: ModelSpec, *, stage: int, pp: int, tp: int = 1) -> list[tupl
         if m.qk_norm:
             block += [(m.head_size, m.head_size)] * 2
         block += [(n, n // tp) for n in (h * q, h * kv, h * kv, h * q, *mlp_matrices(kind))]
+        if kind.moe:  # the router, replicated under tensor parallelism: mlp_matrices' first
+            block[-len(mlp_matrices(kind))] = (router_params(kind), router_params(kind))
         if m.qkv_bias:
             block += [(n, n // tp) for n in (q, kv, kv)]
         out += block * layers

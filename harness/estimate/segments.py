@@ -113,7 +113,7 @@ def _reduce_units(
     root = non_layer_params(m, stage=stage, pp=pp, tp=tp) - head
     units: Counter[int] = Counter()
     for kind, layers in chunk_blocks(m, pp):  # dense first layers, then the expert blocks
-        experts = layer_expert_params(kind, ep=ep) if ep > 1 else 0
+        experts = layer_expert_params(kind, ep=ep, tp=tp) if ep > 1 else 0
         units[4 * -(-(layer_params(kind, tp=tp, ep=ep) - experts) // per)] += layers
         if experts:
             units[4 * -(-experts // (1 if replicate else shards // ep))] += layers
@@ -229,17 +229,17 @@ def _parameter_tensors(
         # three SwiGLU matrices, or a router, experts, shared experts
         matrices = mlp_matrices(kind, ep=ep)
         routed = 3 * (kind.num_experts // ep) if ep > 1 and kind.moe else 0
-        for n in matrices[:1] + matrices[1 + routed :] if routed else matrices:
-            out[n // tp] += n_layers
+        for i, n in enumerate(matrices[:1] + matrices[1 + routed :] if routed else matrices):
+            out[n if kind.moe and i == 0 else n // tp] += n_layers  # (a router: replicated over tp)
         experts += routed * n_layers
     out[m.vocab_size * h // tp] += (stage == 0) + (stage == pp - 1 and not (m.tie_embeddings and pp == 1))
     if shards > 1 and zero >= 2:
         sharded = Counter({-(-n // shards): c for n, c in out.items()})
         if experts:
-            sharded[-(-h * m.moe_ffn_hidden_size // (shards // ep))] += experts
+            sharded[-(-h * m.moe_ffn_hidden_size // tp // (shards // ep))] += experts
         return _counts(sharded)
     if experts:
-        out[h * m.moe_ffn_hidden_size] += experts
+        out[h * m.moe_ffn_hidden_size // tp] += experts
     if shards > 1 and zero == 1:
         return _counts({n: -(-c // shards) for n, c in out.items()})
     return _counts(out)

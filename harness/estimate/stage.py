@@ -64,7 +64,7 @@ def _state_terms(
     elif grads_at_peak == "kept_and_accumulated":  # DDP's buckets and no_sync's own gradients
         # (the experts', which DDP ignores under expert parallelism, have no bucket)
         states["grads"] += (
-            4 * (n - expert_params(m, stage=stage, pp=pp, ep=ep)) if ep > 1 else states["grads"]
+            4 * (n - expert_params(m, stage=stage, pp=pp, ep=ep, tp=tp)) if ep > 1 else states["grads"]
         )
     elif grads_at_peak == "accumulated" and zero >= 2:
         # FSDP2 accumulates them unsharded, in its reduce dtype: the runner's policy reduces in FP32,

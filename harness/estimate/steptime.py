@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from harness.estimate.activations import layer_activation_bytes
 from harness.estimate.checkpoints import recomputed_layers
-from harness.estimate.comm import bubble_fraction, cost
+from harness.estimate.comm import bubble_fraction, cost, tp_collectives
 from harness.estimate.dtypes import elem_bytes
 from harness.estimate.flops import mlp_flops_per_token, model_flops_per_step
 from harness.estimate.params import chunk_blocks, expert_layers, expert_params, stage_params
@@ -150,7 +150,7 @@ def _dp_collectives(spec: RunSpec) -> tuple[float, float, int]:
         return 0.0, 0.0, 0
     # With expert parallelism a rank holds 1/ep of the experts, reduced over the dp·cp/ep ranks that hold
     # the same ones (comm.cost's groups); the rest over dp·cp.
-    experts = expert_params(m, stage=p.pp - 1, pp=p.pp, ep=p.ep)
+    experts = expert_params(m, stage=p.pp - 1, pp=p.pp, ep=p.ep, tp=p.tp)
     params = stage_params(m, stage=p.pp - 1, pp=p.pp, tp=p.tp, ep=p.ep)
     groups = [(params - experts, n), (experts, n // p.ep)]
     moved = sum((g - 1) / g * count for count, g in groups if g > 1)  # each group's (g − 1)/g of its share
@@ -204,8 +204,9 @@ def terms_of(spec: RunSpec, *, cpu_cores: int | None = None) -> dict[str, float]
     bw_dp, lat_dp = link(p.world)
     bw_ep, lat_ep = link(p.tp * p.ep)  # an ep group: consecutive dp·cp ranks, tp innermost
     latency = {"tp": 0.0, "cp": 0.0, "pp": 0.0, "dp": 0.0, "ep": 0.0}  # ring steps x the link's latency
-    if p.tp > 1:  # two all-reduce-sized collectives forward, two backward, per layer and micro-batch
-        latency["tp"] = 4 * layers * mb * passes * 2 * (p.tp - 1) * lat_tp
+    if p.tp > 1:  # all-reduce-sized collectives per block and micro-batch (comm.tp_collectives)
+        units = sum(n * tp_collectives(kind) for kind, n in chunk_blocks(m, p.pp))
+        latency["tp"] = units * mb * passes * 2 * (p.tp - 1) * lat_tp
     if p.cp > 1:  # all-gather K and V forward, reduce-scatter their gradients backward
         latency["cp"] = 4 * layers * mb * passes * (p.cp - 1) * lat_cp
     if p.pp > 1:  # an activation forward, its gradient backward, per micro-batch and model chunk

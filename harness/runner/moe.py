@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.tensor import DTensor
 
 from harness.spec.routing import expert_counts, routing_table
 
@@ -219,8 +220,11 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         flat = x.reshape(b * s, h)
+        weight = self.router.weight
+        if isinstance(weight, DTensor):  # tensor parallelism: replicated, the same on every tp rank
+            weight = weight.to_local()
         with torch.autocast(x.device.type, enabled=False):  # torchtitan's router runs in FP32
-            logits = F.linear(flat.float(), self.router.weight.float())
+            logits = F.linear(flat.float(), weight.float())
         scores = logits.softmax(dim=-1) if self.score == "softmax" else logits.sigmoid()
         ids, counts = self._routing(b, s, x.device)
         gates = scores.gather(1, ids)

@@ -5,6 +5,8 @@ a fake run traces it without reading a tensor back, and the estimator counts the
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 
 def routing_table(num_experts: int, top_k: int, imbalance: float) -> list[list[int]]:
     """The experts of the tokens at positions p ≡ 0 … E − 1 (mod E), ``top_k`` distinct ones each:
@@ -47,6 +49,7 @@ def local_position_list(seq_len: int, *, rank: int, cp: int, load_balance: bool)
     return list(range(rank * chunk, (rank + 1) * chunk)) + list(range(tail_start, tail_start + chunk))
 
 
+@lru_cache(maxsize=4096)
 def rank_expert_rows(
     num_experts: int,
     top_k: int,
@@ -58,10 +61,12 @@ def rank_expert_rows(
     load_balance: bool,
     cp_rank: int = 0,
 ) -> list[int]:
-    """Rows each expert receives from one micro-batch on context-parallel rank ``cp_rank``."""
+    """Rows each expert receives from one micro-batch on context-parallel rank ``cp_rank`` (a tuple,
+    cached: ``plan`` asks for the same few shapes across thousands of layouts, and counting a sequence's
+    positions each time was most of its time for a mixture of experts)."""
     positions = (
         local_position_list(seq_len, rank=cp_rank, cp=cp, load_balance=load_balance)
         if cp > 1
         else list(range(seq_len))
     )
-    return expert_counts(routing_table(num_experts, top_k, imbalance), positions, batch)
+    return tuple(expert_counts(routing_table(num_experts, top_k, imbalance), positions, batch))

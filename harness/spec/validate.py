@@ -110,10 +110,6 @@ def _moe_problems(spec: RunSpec) -> list[str]:
                 f"every {e} tokens' (moe_imbalance · experts_per_token = {t.moe_imbalance}·{k} = {hot:g}) "
                 f"a whole number from {k} (balanced) to {e} (every token)"
             )
-    if p.tp > 1:
-        out.append(
-            f"tensor parallelism of expert layers is not built yet (issue 27): tp {p.tp} with num_experts {e}"
-        )
     dense = m.moe_dense_layers
     if not 0 <= dense < m.num_layers:
         out.append(

@@ -37,7 +37,6 @@ def test_a_moe_spec_is_checked_with_its_arithmetic():
     bad = dataclasses.replace(
         s,
         model=dataclasses.replace(s.model, experts_per_token=9, moe_router="top1", moe_aux_loss_coeff=-0.1),
-        parallel=dataclasses.replace(s.parallel, tp=2, world_size=None),
     )
     with pytest.raises(InvalidSpec) as err:
         canonical(bad)
@@ -45,7 +44,6 @@ def test_a_moe_spec_is_checked_with_its_arithmetic():
         "model.experts_per_token=9 must be from 1 to num_experts 8",
         "model.moe_router='top1' must be one of softmax, sigmoid",
         "model.moe_aux_loss_coeff=-0.1 must be a finite number >= 0",
-        "tensor parallelism of expert layers is not built yet (issue 27): tp 2 with num_experts 8",
     ]
     # dense first layers: fewer than the model's blocks, and not under interleaving (chunks counted alike)
     for dense, overrides, message in [
@@ -206,6 +204,22 @@ LAYOUTS = {
     "dp2-ep2-zero3-full": dict(
         parallel_dp=2, parallel_ep=2, parallel_zero_stage=3, train_micro_batch_size=2, train_recompute="full"
     ),
+    # Tensor parallelism (harness/runner/parallel/tensor.py moe_plan): with and without sequence
+    # parallelism, under FSDP2 and DDP, a pipeline, cp, op recomputation, and with expert parallelism
+    # over the data-parallel ranks (each expert sharded over tp as Megatron's default ETP = TP)
+    "tp2": dict(parallel_tp=2, parallel_sequence_parallel=False, train_micro_batch_size=4),
+    "tp2-sp-dp2-zero3": dict(parallel_tp=2, parallel_dp=2, parallel_zero_stage=3, train_micro_batch_size=2),
+    "tp2-sp-pp2": dict(parallel_tp=2, parallel_pp=2, train_micro_batch_size=2, train_num_microbatches=2),
+    "tp2-cp2-op": dict(parallel_tp=2, parallel_cp=2, train_micro_batch_size=4, train_recompute="op"),
+    "tp2-sp-dp2-ep2-zero0": dict(parallel_tp=2, parallel_dp=2, parallel_ep=2, train_micro_batch_size=2),
+    "tp2-sp-dp2-ep2-zero3-full": dict(
+        parallel_tp=2,
+        parallel_dp=2,
+        parallel_ep=2,
+        parallel_zero_stage=3,
+        train_micro_batch_size=2,
+        train_recompute="full",
+    ),
 }
 
 
@@ -219,11 +233,15 @@ FAST = {
     ("aux-loss", "dp2-cp2-ep4-accumulate2"),
     ("aux-loss", "pp2-1f1b"),
     ("dense-first", "pp2-dp2-ep2"),
+    ("top2", "tp2-sp-dp2-ep2-zero3-full"),
+    ("shared-sigmoid-top3", "tp2-sp-pp2"),
 }
 CASES = [
     pytest.param(v, n, id=f"{v}-{n}", marks=() if (v, n) in FAST else pytest.mark.slow)
     for v in VARIANTS
     for n in LAYOUTS
+    # Qwen3's query/key norms under tensor parallelism are refused by the spec check (not built)
+    if not ((VARIANTS[v] or {}).get("qk_norm") and LAYOUTS[n].get("parallel_tp", 1) > 1)
 ]
 
 
@@ -338,6 +356,25 @@ MEMORY_POINTS.update(
     }
 )
 
+# Tensor parallelism (every tp rank runs the layer on all its tokens, each expert's SwiGLU by t), when
+# written: 1.0015, 0.9956 (SP), 0.9991 (dp 2 ZeRO-3), 0.9900/0.9951 (pp 2), 0.9871 (op), 0.9936 (full),
+# 1.0010 (dp 2 × ep 2 ZeRO-3), 0.9978 (cp 2, FP32)
+MEMORY_POINTS.update(
+    {
+        "tp2-bf16": dict(train_precision="bf16", parallel_tp=2, parallel_sequence_parallel=False),
+        "tp2-sp-dp2-ep2-zero3-bf16": dict(
+            train_precision="bf16", parallel_tp=2, parallel_dp=2, parallel_ep=2, parallel_zero_stage=3
+        ),
+        "tp2-sp-pp2-bf16": dict(
+            low=0.985, train_precision="bf16", parallel_tp=2, parallel_pp=2, train_num_microbatches=2
+        ),
+        "tp2-sp-op-bf16": dict(low=0.98, train_precision="bf16", parallel_tp=2, train_recompute="op"),
+        "tp2-cp2-fp32": dict(
+            train_precision="fp32", parallel_tp=2, parallel_cp=2, parallel_sequence_parallel=False
+        ),
+    }
+)
+
 # Expert parallelism (moe.received_rows: each rank's experts run the rows the all-to-all brings; under
 # op the all-to-all's two outputs kept, traced: 6.1 % under without them), when written: 1.004, 1.004,
 # 0.947, 0.970 (measured/engine). Without FSDP2 the engine reads 3-5 % over: the peak comes later in
@@ -366,7 +403,13 @@ MEMORY_POINTS.update(
     "name",
     fast_few(
         MEMORY_POINTS,
-        {"op-pp2-fp32", "qwen3-like-pp2-dp2-zero3", "dp4-ep2-zero3-bf16", "dense-first-pp2-bf16"},
+        {
+            "op-pp2-fp32",
+            "qwen3-like-pp2-dp2-zero3",
+            "dp4-ep2-zero3-bf16",
+            "dense-first-pp2-bf16",
+            "tp2-sp-dp2-ep2-zero3-bf16",
+        },
     ),
 )
 def test_moe_every_stage_measures_its_estimate(name):

@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -55,21 +56,29 @@ class ReplicateParallel(ParallelStyle):
         return distribute_module(module, device_mesh, partition, to_dtensor, to_local)
 
 
-def layer_plan(*, sequence_parallel: bool) -> dict:
-    """Module path (inside one TransformerBlock) → parallel style."""
+def layer_plan(*, sequence_parallel: bool, block: nn.Module | None = None) -> dict:
+    """Module path (inside one TransformerBlock) → parallel style; a block whose MLP is a mixture of
+    experts (``block.mlp_name == "moe"``) gets :func:`moe_plan` for it."""
+    moe = block is not None and block.mlp_name == "moe"
     if not sequence_parallel:
-        return {
+        plan = {
             "attention_norm": ReplicateParallel(),
             "ffn_norm": ReplicateParallel(),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
         }
-    return {
+        if not moe:
+            plan.update(
+                {
+                    "feed_forward.w1": ColwiseParallel(),
+                    "feed_forward.w2": RowwiseParallel(),
+                    "feed_forward.w3": ColwiseParallel(),
+                }
+            )
+        return plan | (moe_plan(block, sequence_parallel=False) if moe else {})
+    plan = {
         "attention_norm": SequenceParallel(),
         "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         "attention.wq": ColwiseParallel(),
@@ -77,11 +86,54 @@ def layer_plan(*, sequence_parallel: bool) -> dict:
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        "feed_forward.w3": ColwiseParallel(),
     }
+    if not moe:
+        plan.update(
+            {
+                "feed_forward": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                ),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+                "feed_forward.w3": ColwiseParallel(),
+            }
+        )
+    return plan | (moe_plan(block, sequence_parallel=True) if moe else {})
+
+
+def moe_plan(block: nn.Module, *, sequence_parallel: bool) -> dict:
+    """A mixture of experts under tensor parallelism, every tp rank computing the whole layer on every
+    token of its sequence: the router replicated (its FP32 matmul on the replicated weight's local copy:
+    the same gradient on every tp rank), each expert and the shared experts sharded as a dense MLP is
+    (w1, w3 by column, w2 by row), their outputs all-reduced, so that the gate values multiply whole
+    outputs and the combine is replicated. With sequence parallelism the layer's input is all-gathered
+    and its output cut back to this rank's sequence shard. Megatron's default expert tensor parallelism
+    (ETP = TP) shards the experts the same way (it routes sequence shards and all-gathers the rows over
+    TP instead); torchtitan's last DTensor plan (a2b5ee66) routes every token on every tp rank as here,
+    with the experts' outputs reduced once at the layer's end. Each expert's all-reduce keeps the
+    router's gradient whole without a Partial placement (torchtitan's ``NoParallel`` with Partial
+    gradients scaled the router's input gradient by tp: docs/mixture-of-experts.md)."""
+    moe = block.moe
+    plan: dict = {"moe.router": ReplicateParallel()}
+    mlps = [f"moe.experts.{key}" for key in moe.experts] + (["moe.shared"] if moe.shared is not None else [])
+    for path in mlps:
+        plan.update(
+            {
+                f"{path}.w1": ColwiseParallel(),
+                f"{path}.w2": RowwiseParallel(),
+                f"{path}.w3": ColwiseParallel(),
+            }
+        )
+    if sequence_parallel:
+        plan["moe"] = PrepareModuleInputOutput(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(Shard(1),),
+            use_local_output=True,
+        )
+    return plan
 
 
 def model_plan(
@@ -122,7 +174,7 @@ def apply_tp(
     if tied:
         model.output.weight = model.tok_embeddings.weight  # both Shard(0): one parameter again
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, layer_plan(sequence_parallel=sequence_parallel))
+        parallelize_module(block, tp_mesh, layer_plan(sequence_parallel=sequence_parallel, block=block))
 
 
 def localize_for_ddp(model: nn.Module) -> None:
