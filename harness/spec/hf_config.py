@@ -227,7 +227,9 @@ def _dense_first_layers(cfg: dict[str, Any], where: str) -> int:
     0) as ``moe_dense_layers``: the first k layers only, every later one sparse."""
     step, listed = cfg.get("decoder_sparse_step", 1), cfg.get("mlp_only_layers") or []
     first = list(range(len(listed))) if isinstance(listed, list) else None
-    if step != 1 or listed != first or len(listed) >= cfg.get("num_hidden_layers", 0):
+    layers = cfg.get("num_hidden_layers")
+    every = isinstance(layers, int) and listed and len(listed) >= layers  # every layer dense
+    if step != 1 or listed != first or every:
         raise HFConfigError(
             f"{where}: cannot model dense layers among expert layers, only the first k of them "
             f"(decoder_sparse_step {step}, mlp_only_layers {listed})"
