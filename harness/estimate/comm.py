@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from harness.estimate.dtypes import elem_bytes
 from harness.estimate.flops import hardware_flops_per_step, model_flops_per_step
 from harness.estimate.params import chunk_blocks, expert_layers, expert_params, stage_params
-from harness.spec import ModelSpec, RunSpec, busiest_stage_view
+from harness.spec import ModelSpec, ParallelSpec, RunSpec, busiest_stage_view
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,17 @@ def tp_collectives(m: ModelSpec) -> int:
     return 2 + 2 * m.experts_per_token + (2 if m.num_shared_experts else 0)
 
 
+def reduce_groups(m: ModelSpec, p: ParallelSpec, *, stage: int) -> list[tuple[int, int]]:
+    """(parameters, ranks that reduce them) of one rank of ``stage``: with expert parallelism the rank's
+    experts (1/ep of them) over the dp·cp/ep ranks that hold the same ones, the rest over dp·cp."""
+    shards = p.dp * p.cp
+    experts = expert_params(m, stage=stage, pp=p.pp, ep=p.ep, tp=p.tp)
+    groups = [(stage_params(m, stage=stage, pp=p.pp, tp=p.tp, ep=p.ep) - experts, shards)]
+    if experts:
+        groups.append((experts, shards // p.ep))
+    return groups
+
+
 def cost(spec: RunSpec) -> Cost:
     """Communication and bubble of a canonical spec, and its step-time proxy on ``spec.device`` (of its
     busiest pipeline stage where ``parallel.pp_layers`` makes them uneven)."""
@@ -76,13 +87,7 @@ def cost(spec: RunSpec) -> Cost:
     cp_bytes = layers * kv * (p.cp - 1) * 2 * mb * passes
     # Data parallel over d·c ranks: gradient all-reduce (ZeRO 0/1), or FSDP's all-gathers and
     # reduce-scatter (ZeRO-2: one all-gather; ZeRO-3: forward and backward all-gathers).
-    shards = p.dp * p.cp
-    # With expert parallelism a rank's experts (1/ep of them) are reduced over the dp·cp/ep ranks that
-    # hold the same ones, the rest over dp·cp.
-    experts = expert_params(m, stage=0, pp=p.pp, ep=p.ep, tp=p.tp)
-    groups = [(stage_params(m, stage=0, pp=p.pp, tp=p.tp, ep=p.ep) - experts, shards)]
-    if experts:
-        groups.append((experts, shards // p.ep))
+    groups = reduce_groups(m, p, stage=0)
     gathers = 0 if p.zero_stage <= 1 else (1 if p.zero_stage == 2 else 2)
     dp_bytes = sum(
         (n_ - 1) / n_ * n * (2 * 4 if p.zero_stage <= 1 else gathers * e + 4) for n, n_ in groups if n_ > 1

@@ -38,6 +38,13 @@ def mlp_matrices(m: ModelSpec, *, ep: int = 1) -> list[int]:
     )
 
 
+def mlp_shards(m: ModelSpec, *, tp: int = 1, ep: int = 1) -> list[tuple[int, int]]:
+    """(global, local) elements of each matrix of :func:`mlp_matrices` on one tensor-parallel rank:
+    sharded by t, but a mixture of experts' router (the first), replicated on every tp rank
+    (harness/runner/parallel/tensor.py ``moe_plan``)."""
+    return [(n, n if m.moe and i == 0 else n // tp) for i, n in enumerate(mlp_matrices(m, ep=ep))]
+
+
 def layer_matrix_params(m: ModelSpec, *, ep: int = 1) -> int:
     """Weights of one layer's matrices: Q, K, V, O and the MLP's (:func:`mlp_matrices`)."""
     h = m.hidden_size
@@ -150,9 +157,7 @@ def param_numels(m: ModelSpec, *, stage: int, pp: int, tp: int = 1) -> list[tupl
         block = [(h, h), (h, h)]  # the two norms
         if m.qk_norm:
             block += [(m.head_size, m.head_size)] * 2
-        block += [(n, n // tp) for n in (h * q, h * kv, h * kv, h * q, *mlp_matrices(kind))]
-        if kind.moe:  # the router, replicated under tensor parallelism: mlp_matrices' first
-            block[-len(mlp_matrices(kind))] = (router_params(kind), router_params(kind))
+        block += [(n, n // tp) for n in (h * q, h * kv, h * kv, h * q)] + mlp_shards(kind, tp=tp)
         if m.qkv_bias:
             block += [(n, n // tp) for n in (q, kv, kv)]
         out += block * layers

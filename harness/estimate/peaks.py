@@ -13,7 +13,7 @@ from harness.estimate import pipeline as pipe
 from harness.estimate import states as st
 from harness.estimate.dtypes import elem_bytes
 from harness.estimate.params import layer_params, stage_params
-from harness.spec import ModelSpec, ParallelSpec, RunSpec, TrainSpec
+from harness.spec import ModelSpec, ParallelSpec, RunSpec, TrainSpec, stage_kinds
 
 
 def replicated_embedding_extra(m, tp: int) -> int:
@@ -200,12 +200,11 @@ def dominant_stages(p: ParallelSpec, t: TrainSpec, m: ModelSpec | None = None) -
     # With uneven stages (parallel.pp_layers) or dense first layers (``m.moe_dense_layers``) the argument
     # holds among the middle stages of one block count and one count of dense blocks: the first of them,
     # and the first of them with its gradients at its peak.
-    dense = m.moe_dense_layers if m is not None and m.moe else 0
-    per_stage = p.pp_layers or ((m.num_layers // pp,) * pp if dense else ())
+    kinds = stage_kinds(m, p) if m is not None and m.moe and m.moe_dense_layers else None
     groups: dict[tuple, list[int]] = {}
     for i in range(1, pp - 1):
-        kind = min(max(dense - sum(per_stage[:i]), 0), per_stage[i]) if dense else 0
-        groups.setdefault((p.pp_layers[i] if p.pp_layers else None, kind), []).append(i)
+        dense = kinds[i][1] if kinds else 0
+        groups.setdefault((p.pp_layers[i] if p.pp_layers else None, dense), []).append(i)
     for group in groups.values():
         stages.add(group[0])
         for i in group:

@@ -56,7 +56,7 @@ from harness.estimate.params import (
     chunk_blocks,
     layer_expert_params,
     layer_params,
-    mlp_matrices,
+    mlp_shards,
     non_layer_params,
 )
 from harness.estimate.states import torch_grads_at_peak
@@ -226,11 +226,11 @@ def _parameter_tensors(
     out[h * m.kv_width // tp] += 2 * layers
     experts = 0  # the expert matrices of the stage, sharded apart
     for kind, n_layers in chunk_blocks(m, pp):  # dense first layers, then the expert blocks
-        # three SwiGLU matrices, or a router, experts, shared experts
-        matrices = mlp_matrices(kind, ep=ep)
+        # three SwiGLU matrices, or a router (replicated over tp), experts, shared experts
+        matrices = mlp_shards(kind, tp=tp, ep=ep)
         routed = 3 * (kind.num_experts // ep) if ep > 1 and kind.moe else 0
-        for i, n in enumerate(matrices[:1] + matrices[1 + routed :] if routed else matrices):
-            out[n if kind.moe and i == 0 else n // tp] += n_layers  # (a router: replicated over tp)
+        for _, local in matrices[:1] + matrices[1 + routed :] if routed else matrices:
+            out[local] += n_layers
         experts += routed * n_layers
     out[m.vocab_size * h // tp] += (stage == 0) + (stage == pp - 1 and not (m.tie_embeddings and pp == 1))
     if shards > 1 and zero >= 2:

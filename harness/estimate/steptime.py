@@ -40,10 +40,10 @@ from dataclasses import dataclass
 
 from harness.estimate.activations import layer_activation_bytes
 from harness.estimate.checkpoints import recomputed_layers
-from harness.estimate.comm import bubble_fraction, cost, tp_collectives
+from harness.estimate.comm import bubble_fraction, cost, reduce_groups, tp_collectives
 from harness.estimate.dtypes import elem_bytes
 from harness.estimate.flops import mlp_flops_per_token, model_flops_per_step
-from harness.estimate.params import chunk_blocks, expert_layers, expert_params, stage_params
+from harness.estimate.params import chunk_blocks, expert_layers, stage_params
 from harness.spec import DeviceSpec, RunSpec, busiest_stage_view
 
 TERMS = (
@@ -148,11 +148,8 @@ def _dp_collectives(spec: RunSpec) -> tuple[float, float, int]:
     n = p.dp * p.cp
     if n == 1:
         return 0.0, 0.0, 0
-    # With expert parallelism a rank holds 1/ep of the experts, reduced over the dp·cp/ep ranks that hold
-    # the same ones (comm.cost's groups); the rest over dp·cp.
-    experts = expert_params(m, stage=p.pp - 1, pp=p.pp, ep=p.ep, tp=p.tp)
-    params = stage_params(m, stage=p.pp - 1, pp=p.pp, tp=p.tp, ep=p.ep)
-    groups = [(params - experts, n), (experts, n // p.ep)]
+    groups = reduce_groups(m, p, stage=p.pp - 1)  # (with expert parallelism, the experts apart)
+    params = sum(count for count, _ in groups)
     moved = sum((g - 1) / g * count for count, g in groups if g > 1)  # each group's (g − 1)/g of its share
     if p.zero_stage <= 1:
         buckets = max(1, math.ceil(params * 4 / DDP_BUCKET_BYTES))

@@ -277,6 +277,20 @@ def chunk_layer_ranges(spec: RunSpec) -> list[range]:
     return out
 
 
+def stage_kinds(m: ModelSpec, p: ParallelSpec) -> tuple[tuple[int, int], ...]:
+    """(blocks, dense blocks) of each pipeline stage, first to last: ``parallel.pp_layers`` or the even
+    split, and how many of a stage's blocks are among the model's ``moe_dense_layers`` first ones (0
+    for a dense model). The one count :func:`stage_view`, :func:`stage_views` and ``plan``'s dominant
+    stages read."""
+    per_stage = tuple(p.pp_layers) or (m.num_layers // p.pp,) * p.pp
+    first = m.moe_dense_layers if m.moe else 0
+    out, start = [], 0
+    for blocks in per_stage:
+        out.append((blocks, min(max(first - start, 0), blocks)))
+        start += blocks
+    return tuple(out)
+
+
 def stage_view(spec: RunSpec, stage: int) -> RunSpec:
     """``spec`` as one stage's estimate reads it: a model whose even split gives every stage that stage's
     blocks (each term of a stage depends on the model only through its own blocks, and on which end of
@@ -288,11 +302,15 @@ def stage_view(spec: RunSpec, stage: int) -> RunSpec:
     m, p = spec.model, spec.parallel
     if not p.pp_layers and not (m.moe and m.moe_dense_layers):
         return spec
-    per_stage = stage_layers(spec)
-    blocks = per_stage[stage]
+    return _view(spec, stage_kinds(m, p)[stage])
+
+
+def _view(spec: RunSpec, kind: tuple[int, int]) -> RunSpec:
+    """:func:`stage_view` of a stage of ``kind`` (blocks, dense blocks)."""
+    m, p = spec.model, spec.parallel
+    blocks, dense = kind
     model = dataclasses.replace(m, num_layers=blocks * p.pp)
     if m.moe and m.moe_dense_layers:
-        dense = min(max(m.moe_dense_layers - sum(per_stage[:stage]), 0), blocks)
         model = (
             dense_mlp_model(model)
             if dense == blocks
@@ -307,14 +325,8 @@ def stage_views(spec: RunSpec) -> tuple[RunSpec, ...]:
     m, p = spec.model, spec.parallel
     if not p.pp_layers and not (m.moe and m.moe_dense_layers):
         return (spec,) * p.pp
-    per_stage, start, by_kind, views = stage_layers(spec), 0, {}, []
-    for i, blocks in enumerate(per_stage):
-        kind = (blocks, min(max(m.moe_dense_layers - start, 0), blocks) if m.moe else 0)
-        if kind not in by_kind:
-            by_kind[kind] = stage_view(spec, i)
-        views.append(by_kind[kind])
-        start += blocks
-    return tuple(views)
+    by_kind: dict[tuple[int, int], RunSpec] = {}
+    return tuple(by_kind.get(k) or by_kind.setdefault(k, _view(spec, k)) for k in stage_kinds(m, p))
 
 
 def dense_mlp_model(m: ModelSpec) -> ModelSpec:
