@@ -12,6 +12,7 @@ counts the causal mask). Every figure records its convention (the ``flops_conven
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 from harness.estimate.params import chunk_blocks
 from harness.spec import ModelSpec, RunSpec, stage_views
@@ -45,8 +46,12 @@ def model_flops_per_step(spec: RunSpec, *, convention: str = "megatron") -> int:
     """Model FLOPs of one optimizer step of the whole job (forward + backward, all ranks)."""
     if convention not in FLOPS_CONVENTIONS:
         raise ValueError(f"flops convention {convention!r} must be one of {', '.join(FLOPS_CONVENTIONS)}")
-    m, t = spec.model, spec.train
-    h, L, s, B = m.hidden_size, m.num_layers, t.seq_len, spec.global_batch_size
+    return _model_flops(spec.model, spec.train.seq_len, spec.global_batch_size, convention)
+
+
+@lru_cache(maxsize=4096)  # (plan asks it of every candidate; few differ in model, sequence and batch)
+def _model_flops(m: ModelSpec, s: int, B: int, convention: str) -> int:
+    h, L = m.hidden_size, m.num_layers
     # The bracket multiplied out, in integers (h·k/a is whole because h % a == 0):
     # 12BsLh·(h + h·k/a + s_attn) + 18BsLh·f + 6Bs·h·v, with s_attn = s, or s/2 counting the causal mask.
     # Q, K, V, O of widths a·d and k·d (= h and h·k/a unless a head size of its own, Qwen3's head_dim);

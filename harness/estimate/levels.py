@@ -163,6 +163,14 @@ def allocator_capacity_bytes(est) -> int:
     return max(1, est.capacity_bytes - est.outside_allocator_bytes)
 
 
+def verdict_floor(est, allocated: int | None = None) -> int:
+    """A lower bound of :func:`verdict_bytes` without the reserved terms: the allocated level (the
+    profile's, ``allocated``, where one applies) and the memory outside the allocator. The reserved
+    level is never below the allocated one: its terms and a profile's fragmentation are all >= 0
+    (profiles are refused otherwise, harness/analysis/profile.py)."""
+    return (est.total_bytes if allocated is None else allocated) + est.outside_allocator_bytes
+
+
 def verdict_bytes(est, calibration=None, *, allocated: int | None = None) -> int:
     """The device level a verdict is judged on, for an :class:`~harness.estimate.core.Estimate`:
     uncalibrated, the estimate's own; with a calibration profile, its allocated peak, its fitted
