@@ -16,19 +16,45 @@ from harness.spec import ModelSpec, ParallelSpec, RunSpec, TrainSpec
 
 
 def loss_logits_segment(spec: RunSpec, stage: int) -> int:
-    """The head's logits in the compute dtype, BF16 without a pipeline: the loss upcasts them to FP32
-    and they are freed before the loss's backward, whose peak allocates FP32 logit-sized buffers twice
-    their size. Their block stays cached and free at that peak, and nothing alive is of its size.
-    Traced (Llama-3-8B dp 8 ZeRO-3, s 8192, BF16, one rank's step replayed): a free 2,004 MiB segment
-    at micro-batch 1 and 4,008 MiB at 2, under both FSDP2 policies. Under a pipeline the schedule keeps
-    the head's outputs (``activations.logits``); in FP32 the upcast is the logits themselves, whose
-    block the FP32 gradients reuse: 0 there. Under the chunked loss (``train.loss_chunks``) a slice's
-    logits stay alive through its backward: 0 too."""
+    """The loss's logits blocks cached and free at the last stage's peak, in a compute dtype narrower
+    than FP32 (the loss upcasts them; in FP32 the upcast is the logits themselves, whose block the FP32
+    gradients reuse: 0 there). Under the chunked loss (``train.loss_chunks``) a slice's logits stay
+    alive through its backward: 0 too. C is one block of logits in the compute dtype, e·s·b·v over the
+    vocabulary's shards (:func:`~harness.estimate.activations.vocab_shards`).
+
+    - Without a pipeline: the head's logits are freed before the loss's backward, whose peak allocates
+      FP32 logit-sized buffers twice their size; their block stays cached and free (C). Traced
+      (Llama-3-8B dp 8 ZeRO-3, s 8192, BF16, one rank's step replayed): a free 2,004 MiB segment at
+      micro-batch 1 and 4,008 MiB at 2, under both FSDP2 policies.
+    - Under a pipeline the schedule keeps the head's output (``activations.logits``). Under tensor
+      parallelism the loss's copy of it gathered over tp is freed before the FP32 upcast: C free at
+      every micro-batch's peak. Under 1F1B (at least two micro-batches: m >= pp) the last stage runs the next
+      micro-batch's forward right after the previous backward, when the loss's blocks are cached and
+      free; that forward's last tensors, short of blocks of their own (the first backward's gradients
+      took some), carve the smallest free block that holds them, the loss's C blocks, and the next
+      loss splits an FP32 block for its C tensor and opens a new FP32 block: 2·C more free at the
+      peak under tensor parallelism (half the split block and the carved C block's rest), C without
+      it (the new FP32 block holds the C tensor and the carving tensors; the C segment is left free).
+      Traced (harness stack, BF16, s 8192, the last stage's rank replayed at its allocated peak,
+      python scripts/segment_openings.py): Llama-3-8B tp 4 × pp 2 at micro-batch 4 (C 8,016 MiB),
+      22.2 GiB above the allocated peak (2.8·C: a C segment, half a split FP32 block, a C block with
+      1.4 GiB of the next forward's activations in it); Llama-3-70B tp 4 × pp 8 × dp 2 at micro-batch
+      4 carves both C blocks and an FP32 one and opens two (32.5 GiB, 4.1·C: the second FP32 block
+      left to calibration); Llama-3-8B tp 1 × pp 8 at micro-batch 4, 10.6 GiB (1.3·C: the C segment
+      and two carved remainders). Interleaved 1F1B (other chunks' work between a micro-batch's
+      forward and backward) leaves C only: 2.1 and 2.7 GiB at C 1.96 GiB on Llama-3-8B tp 2 and 4.
+      Not traced in FP32 under a pipeline."""
     m, p, t = spec.model, spec.parallel, spec.train
-    if stage != p.pp - 1 or p.pp > 1 or elem_bytes(t.precision) >= 4 or t.loss_chunks > 1:
+    if stage != p.pp - 1 or elem_bytes(t.precision) >= 4 or t.loss_chunks > 1:
         return 0
-    e = elem_bytes(t.precision)
-    return block_size(e * t.seq_len * t.micro_batch_size * m.vocab_size // (p.tp * p.cp))
+    tokens_by_vocab = t.seq_len * t.micro_batch_size * m.vocab_size // vocab_shards(p, engine="torch")
+    logits = block_size(elem_bytes(t.precision) * tokens_by_vocab)
+    if p.pp == 1:
+        return logits
+    gathered = logits if p.tp > 1 else 0
+    if p.pp_schedule != "1f1b":
+        return gathered
+    return gathered + (block_size(4 * tokens_by_vocab) if p.tp > 1 else logits)
 
 
 def swiglu_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> int:
