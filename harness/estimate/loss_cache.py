@@ -97,6 +97,49 @@ def recompute_packing_segments(spec: RunSpec, stage: int) -> int:
     return (layers - 1) // k * (block - k * request)
 
 
+# torchtitan's op policy keeps per block, besides w1's output (T), four tensors of the residual stream's
+# size (w2's output, the block's output that the next checkpoint keeps as its input, wq's and the
+# attention kernel's outputs) and wv's output (activations.op_layer_bytes).
+OP_KEPT_RESIDUAL_SIZED = 4
+
+
+def op_packing_segments(spec: RunSpec, stage: int) -> int:
+    """Op-level recomputation (torchtitan's policy), the bytes lost where a block's kept tensors are
+    carved out of the previous block's freed SwiGLU blocks: each block frees three of its four SwiGLU
+    tensors (T = s·b·f/c, one segment each) and keeps w1's output, and the next block's kept tensors of
+    the residual stream's size (A = s·b·h/c, :data:`OP_KEPT_RESIDUAL_SIZED` a block) and its V (wv's
+    output, s·b·kv/c) find no free block of their size but those: best fit puts k = ⌊T/A⌋ A-sized
+    tensors in a T block, and the V tensors in the remainders T − k·A that hold them. What no V fills
+    is lost, and the block's own SwiGLU opens new T segments. Counted over the L − 1 blocks after the
+    first (whose tensors come before any T block is free):
+
+        lost = ⌈n·(L − 1)/k⌉ · (T − k·A) − min(L − 1, ⌈n·(L − 1)/k⌉ · ⌊(T − k·A)/V⌋) · V
+
+    with n = 4, and n = 5 where V is as large as A (no grouped-query attention). Traced (torchtitan's
+    stack, Llama-3-8B dp 8 ZeRO-3, s 8192, micro-batch 2, the loss's peak): forty T blocks, twenty-five
+    holding three A and a free remainder, thirteen three A and two V, two three A and one V: 13·A =
+    1,664 MiB lost, the rule 1,696 MiB. In the compute dtype only (not under autocast, whose
+    input is FP32), without tensor parallelism (its sharded outputs and full-width partial sums are of
+    other sizes), a pipeline (its stages' freed blocks hold every kind of tensor), or experts."""
+    m, p, t = spec.model, spec.parallel, spec.train
+    if t.recompute != "op" or m.moe or p.pp > 1 or p.tp > 1 or torch_autocast(p, t):
+        return 0
+    e = elem_bytes(t.precision)
+    sb = t.seq_len * t.micro_batch_size // p.cp
+    a, v, working = e * sb * m.hidden_size, e * sb * m.kv_width, swiglu_bytes(m, p, t)
+    if a < KMIN_LARGE_ALLOC or working < KMIN_LARGE_ALLOC:
+        return 0  # blocks that share 20 MiB segments: not this mechanism
+    block, request = segment_size(working), request_size(a)
+    k = block // request
+    if k == 0:
+        return 0
+    n = OP_KEPT_RESIDUAL_SIZED + (1 if v >= a else 0)
+    blocks = -(-n * (m.num_layers - 1) // k)
+    remainder = block - k * request
+    vs = 0 if v >= a else min(m.num_layers - 1, blocks * (remainder // request_size(v)))
+    return max(0, blocks * remainder - vs * request_size(v))
+
+
 # The SwiGLU tensors alive at once in a checkpointed block's forward (gate and up; the gate's activation
 # once the gate is freed; their product), each a block of its own. Traced: three free 896, 1,792 or
 # 2,688 MiB blocks at the loss of Llama-3-8B dp 8 ZeRO-3 at micro-batch 4, 8 and 12 (below).

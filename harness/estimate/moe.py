@@ -27,6 +27,8 @@ not kept, the received one is.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from harness.estimate.dtypes import elem_bytes
 from harness.spec import ModelSpec, ParallelSpec, TrainSpec
 from harness.spec.routing import rank_expert_rows
@@ -45,22 +47,31 @@ def received_rows(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> list[int]:
     experts' rows from every rank of its ep group (the first group: dp·cp ranks 0 … ep − 1, whose
     context-parallel ranks are their index mod cp), on the most-loaded rank — the one holding expert 0
     when ``moe_imbalance`` > 1 (harness/runner/moe.py's all-to-all)."""
-    per = m.num_experts // p.ep
+    return list(
+        _received_rows(m, p.ep, p.cp, p.cp_load_balance, t.moe_imbalance, t.seq_len, t.micro_batch_size)
+    )
+
+
+@lru_cache(maxsize=4096)  # (plan asks it several times of every candidate; few differ in these)
+def _received_rows(
+    m: ModelSpec, ep: int, cp: int, load_balance: bool, imbalance: float, seq_len: int, batch: int
+) -> tuple[int, ...]:
+    per = m.num_experts // ep
     sources = [
         rank_expert_rows(
             m.num_experts,
             m.experts_per_token,
-            t.moe_imbalance,
-            seq_len=t.seq_len,
-            batch=t.micro_batch_size,
-            cp=p.cp,
-            load_balance=p.cp_load_balance,
-            cp_rank=j % p.cp,
+            imbalance,
+            seq_len=seq_len,
+            batch=batch,
+            cp=cp,
+            load_balance=load_balance,
+            cp_rank=j % cp,
         )
-        for j in range(p.ep)
+        for j in range(ep)
     ]
-    ranks = [[sum(src[r * per + e] for src in sources) for e in range(per)] for r in range(p.ep)]
-    return max(ranks, key=sum)
+    ranks = [[sum(src[r * per + e] for src in sources) for e in range(per)] for r in range(ep)]
+    return tuple(max(ranks, key=sum))
 
 
 def moe_layer_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast: bool) -> int:

@@ -48,6 +48,7 @@ from harness.estimate.loss_cache import (
     SWIGLU_WORKING_SET,
     fsdp_root_segments,
     loss_logits_segment,
+    op_packing_segments,
     recompute_packing_segments,
     recompute_working_set_segments,
     swiglu_bytes,
@@ -309,7 +310,7 @@ def segment_terms(spec: RunSpec, stage: int, terms: dict[str, int]) -> dict[str,
     reduce = reduce_stream_segments(spec, stage)
     root = fsdp_root_segments(spec, stage)
     logits = loss_logits_segment(spec, stage)
-    packing = recompute_packing_segments(spec, stage)
+    packing = recompute_packing_segments(spec, stage) + op_packing_segments(spec, stage)
     working = recompute_working_set_segments(spec, stage, terms)
     opened = 0
     if terms.get("optimizer_step", 0):  # 0 for megatron's fused Adam, which allocates none
@@ -338,6 +339,7 @@ def segment_terms_bound(spec: RunSpec, stage: int, terms: dict[str, int]) -> int
         + fsdp_root_segments(spec, stage)
         + loss_logits_segment(spec, stage)
         + recompute_packing_segments(spec, stage)
+        + op_packing_segments(spec, stage)
         + recompute_working_set_segments(spec, stage, terms)
     )
     if not terms.get("optimizer_step", 0):

@@ -11,6 +11,7 @@ from harness.estimate.levels import reserved_terms, reserved_upper_bound
 from harness.estimate.loss_cache import (
     fsdp_root_segments,
     loss_logits_segment,
+    op_packing_segments,
     recompute_packing_segments,
     recompute_working_set_segments,
 )
@@ -372,3 +373,45 @@ def test_expert_parallel_tensors_and_units_are_sharded_over_the_ranks_that_hold_
     # The experts' reduce-scatter output: a unit of its own per block, 4 experts over 4 ranks.
     units = dict(_reduce_units(s.model, 1, 1, 0, 8, 3, 0, 2))
     assert units[4 * 3 * 4 * expert // 4] == 32
+
+
+def test_op_recomputation_packs_the_kept_tensors_into_the_previous_blocks_freed_swiglu_blocks():
+    # torchtitan's stack, Llama-3-8B dp 8 ZeRO-3, s 8192, micro-batch 2, traced at the loss's peak
+    # (docs/gpu-memory.md): forty 448 MiB SwiGLU blocks hold the kept 128 MiB tensors three at a time
+    # and the 32 MiB V tensors in some remainders; 13 x 128 = 1,664 MiB lost. The rule: 42 blocks of
+    # 64 MiB remainders less 31 V tensors, 1,696 MiB.
+    base = {
+        "train_seq_len": 8192,
+        "train_micro_batch_size": 2,
+        "train_precision": "bf16",
+        "train_recompute": "op",
+    }
+    fsdp = spec("llama3_8b", "h100_94gb", parallel_dp=8, parallel_zero_stage=3, **base)
+    assert op_packing_segments(fsdp, 0) == 1696 * MiB
+    assert estimate(fsdp).reserved_terms()["recompute_packing"] == 1696 * MiB
+    # not modelled: tensor parallelism's mixed sizes, a pipeline, autocast's FP32 input (DDP / ZeRO-1)
+    assert (
+        op_packing_segments(
+            spec("llama3_8b", "h100_94gb", parallel_dp=4, parallel_tp=2, parallel_zero_stage=3, **base), 0
+        )
+        == 0
+    )
+    assert (
+        op_packing_segments(spec("llama3_8b", "h100_94gb", parallel_dp=8, parallel_zero_stage=1, **base), 0)
+        == 0
+    )
+    piped = spec(
+        "llama3_8b",
+        "h100_94gb",
+        parallel_dp=4,
+        parallel_pp=2,
+        parallel_zero_stage=1,
+        train_num_microbatches=8,
+        **base,
+    )
+    assert op_packing_segments(piped, 0) == op_packing_segments(piped, 1) == 0
+    # without grouped-query attention V is as large as A and is packed with them (Llama-2-13B)
+    mha = spec("llama2_13b", "h100_94gb", parallel_dp=8, parallel_zero_stage=3, **base)
+    a, t = 160 * MiB, 432 * MiB  # s·b·h·2 and s·b·f·2
+    blocks = -(-5 * 39 // (t // a))
+    assert op_packing_segments(mha, 0) == blocks * (t - 2 * a)
