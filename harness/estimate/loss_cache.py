@@ -97,6 +97,9 @@ def recompute_packing_segments(spec: RunSpec, stage: int) -> int:
     return (layers - 1) // k * (block - k * request)
 
 
+# Under op recomputation, the last block's freed SwiGLU blocks still whole at the loss: three freed, one
+# carved by w2's output and the block's output (recompute_working_set_segments).
+OP_FREE_AT_LOSS = 2
 # torchtitan's op policy keeps per block, besides w1's output (T), four tensors of the residual stream's
 # size (w2's output, the block's output that the next checkpoint keeps as its input, wq's and the
 # attention kernel's outputs) and wv's output (activations.op_layer_bytes).
@@ -147,7 +150,7 @@ SWIGLU_WORKING_SET = 3
 
 
 def recompute_working_set_segments(spec: RunSpec, stage: int, terms: dict[str, int]) -> int:
-    """Full recomputation of every block, the peak at the loss: the last block's SwiGLU working set
+    """Full recomputation of every block (or op recomputation, below), the peak at the loss: the last block's SwiGLU working set
     (:data:`SWIGLU_WORKING_SET` blocks of T = s·b·f/(t·c), :func:`recompute_packing_segments`) is cached
     and free, since the loss's vocabulary-sized blocks are larger than T. Only the loss's requests that
     are smaller take from them: torchtitan's kept head unit's copy in the compute dtype
@@ -159,16 +162,21 @@ def recompute_working_set_segments(spec: RunSpec, stage: int, terms: dict[str, i
     three of 448 MiB; this runner's stack (unchunked) at micro-batch 4, three of 896 MiB. 0 under the
     conditions of :func:`recompute_packing_segments`, where the peak is not at the loss (no ``loss``
     term: Llama-2-13B at micro-batch 6 peaks in the last block's MLP, its working set in use), and where
-    the loss's logits (per slice, in the compute dtype) fit a T block (the loss takes the blocks)."""
+    the loss's logits (per slice, in the compute dtype) fit a T block (the loss takes the blocks).
+
+    Under op recomputation (:func:`op_packing_segments`, its conditions) :data:`OP_FREE_AT_LOSS` of the
+    last block's three freed T blocks, the third carved by its kept tensors after the MLP (traced,
+    Llama-3-8B dp 8 ZeRO-3, micro-batch 2, unchunked: two free 448 MiB blocks at the loss)."""
     m, p, t = spec.model, spec.parallel, spec.train
-    if not recompute_packing_segments(spec, stage) or not terms.get("loss", 0):
+    full = recompute_packing_segments(spec, stage) > 0
+    if not (full or op_packing_segments(spec, stage)) or not terms.get("loss", 0):
         return 0
     e = elem_bytes(t.precision)
     working = segment_size(swiglu_bytes(m, p, t))
     logits = e * t.seq_len * t.micro_batch_size * m.vocab_size // vocab_shards(p, engine="torch")
     if logits // t.loss_chunks <= working:
         return 0
-    free = [working] * SWIGLU_WORKING_SET
+    free = [working] * (SWIGLU_WORKING_SET if full else OP_FREE_AT_LOSS)
     head_grad = 4 * m.vocab_size * m.hidden_size // p.tp if t.loss_chunks > 1 else 0
     for size in (e * kept_head(m, p), head_grad):
         fits = [i for i, room in enumerate(free) if room >= size > 0]

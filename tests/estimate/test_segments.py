@@ -389,6 +389,9 @@ def test_op_recomputation_packs_the_kept_tensors_into_the_previous_blocks_freed_
     fsdp = spec("llama3_8b", "h100_94gb", parallel_dp=8, parallel_zero_stage=3, **base)
     assert op_packing_segments(fsdp, 0) == 1696 * MiB
     assert estimate(fsdp).reserved_terms()["recompute_packing"] == 1696 * MiB
+    # unchunked, the peak at the loss: two of the last block's three freed 448 MiB blocks still whole
+    whole = spec("llama3_8b", "h100_94gb", parallel_dp=8, parallel_zero_stage=3, train_loss_chunks=1, **base)
+    assert estimate(whole).reserved_terms()["recompute_working_set"] == 2 * 448 * MiB
     # not modelled: tensor parallelism's mixed sizes, a pipeline, autocast's FP32 input (DDP / ZeRO-1)
     assert (
         op_packing_segments(
