@@ -1,6 +1,7 @@
 """The published GPU runs of scripts/published_runs.py still compose to valid estimates, and the
 engine's reserved level stays where those runs put it (torchtitan's own max reserved memory of Llama
-3.1 8B with FSDP2 on H100 96 GB: the engine within 5 % under, the default profile within 2 %)."""
+3.1 8B with FSDP2 on H100 96 GB: the engine within 2 %, the default profile at most 1 % under and 3 %
+over)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ PUBLISHED = _script()
 def test_the_engine_reserved_level_against_a_published_run(run):
     row = PUBLISHED.measure(run, trace=False)
     published = run["published_gib"] * GIB
-    # recorded 2026-12-06: engine -4.7 % and -3.5 %, calibrated -1.4 % and 0.0 %
-    assert 0.95 * published < row["engine reserved"] < published
-    assert abs(row["calibrated reserved"] / published - 1) < 0.02
+    # recorded 2026-12-07: engine -1.6 % and +0.3 % (-4.7 % and -3.5 % before op recomputation's
+    # packing and working set), calibrated +0.6 % and +2.5 % (the default profile, fitted on the H100
+    # grid's points without recomputation, adds its fragmentation on top: on the safe side)
+    assert abs(row["engine reserved"] / published - 1) < 0.02
+    assert 0.99 * published < row["calibrated reserved"] < 1.03 * published
