@@ -150,19 +150,20 @@ SWIGLU_WORKING_SET = 3
 
 
 def recompute_working_set_segments(spec: RunSpec, stage: int, terms: dict[str, int]) -> int:
-    """Full recomputation of every block (or op recomputation, below), the peak at the loss: the last block's SwiGLU working set
-    (:data:`SWIGLU_WORKING_SET` blocks of T = s·b·f/(t·c), :func:`recompute_packing_segments`) is cached
-    and free, since the loss's vocabulary-sized blocks are larger than T. Only the loss's requests that
-    are smaller take from them: torchtitan's kept head unit's copy in the compute dtype
-    (:func:`~harness.estimate.buffers.kept_head`) and the chunked loss's FP32 head gradient, each into
-    the smallest block that holds it. Read at the allocated peak of fake traces (torchtitan's stack,
-    Llama-3-8B dp 8 ZeRO-3, s 8192, full recomputation): at micro-batch 4 three free 896 MiB blocks
-    (the 1,002 MiB copy does not fit), at 8 two of 1,792 MiB and 790 MiB beside the copy, at 12 one of
-    2,688 MiB, 1,686 beside the copy and 684 beside the 2,004 MiB gradient; cp 2 at micro-batch 4,
-    three of 448 MiB; this runner's stack (unchunked) at micro-batch 4, three of 896 MiB. 0 under the
-    conditions of :func:`recompute_packing_segments`, where the peak is not at the loss (no ``loss``
-    term: Llama-2-13B at micro-batch 6 peaks in the last block's MLP, its working set in use), and where
-    the loss's logits (per slice, in the compute dtype) fit a T block (the loss takes the blocks).
+    """Full recomputation of every block (or op recomputation, below), the peak at the loss: the last block's
+    SwiGLU working set (:data:`SWIGLU_WORKING_SET` blocks of T = s·b·f/(t·c),
+    :func:`recompute_packing_segments`) is cached and free, since the loss's vocabulary-sized blocks are
+    larger than T. Only the loss's requests that are smaller take from them: torchtitan's kept head unit's
+    copy in the compute dtype (:func:`~harness.estimate.buffers.kept_head`) and the chunked loss's FP32
+    head gradient, each into the smallest block that holds it. Read at the allocated peak of fake traces
+    (torchtitan's stack, Llama-3-8B dp 8 ZeRO-3, s 8192, full recomputation): at micro-batch 4 three free
+    896 MiB blocks (the 1,002 MiB copy does not fit), at 8 two of 1,792 MiB and 790 MiB beside the copy,
+    at 12 one of 2,688 MiB, 1,686 beside the copy and 684 beside the 2,004 MiB gradient; cp 2 at
+    micro-batch 4, three of 448 MiB; this runner's stack (unchunked) at micro-batch 4, three of 896 MiB. 0
+    under the conditions of :func:`recompute_packing_segments`, where the peak is not at the loss (no
+    ``loss`` term: Llama-2-13B at micro-batch 6 peaks in the last block's MLP, its working set in use),
+    and where the loss's logits (per slice, in the compute dtype) fit a T block (the loss takes the
+    blocks).
 
     Under op recomputation (:func:`op_packing_segments`, its conditions) :data:`OP_FREE_AT_LOSS` of the
     last block's three freed T blocks, the third carved by its kept tensors after the MLP (traced,
