@@ -59,3 +59,35 @@ def test_fsdp2_accumulated_gradients_are_sharded_by_the_optimizer_step():
     record, _ = trace_all(s)
     assert record["peak_allocated_bytes"] == pytest.approx(est.total_bytes, rel=0.005)
     assert est.worst.terms["grads"] == 4 * stage_params(s.model, stage=0, pp=1, tp=8) // 4
+
+
+def test_under_a_pipeline_stage_0_accumulates_the_whole_embedding_gradient_too():
+    """torchtitan's default stack under a pipeline (its schedules reduce after the last micro-batch):
+    stage 0 keeps the whole v·h FP32 embedding gradient from the first backward to the step. Llama-3-8B
+    at 4 blocks (two a stage), tp 2 × pp 2 × dp 2, ZeRO-3 (not resharded under pp: ZeRO-2), op,
+    s 8192, 4 micro-batches: stage 0's traced peak within 2 % of the engine's (12 % under without the
+    whole matrix). At paper scale (Llama-3-70B tp 8 × pp 4 × dp 2, traced 50.62 GiB) the engine read
+    7.1 % under without it, 0.3 % with it. Not modelled: at 2 blocks and s 1024 the peak is the
+    embedding's backward itself, its BF16 whole-vocabulary gradient beside the FP32 one (14 % under)."""
+    s = cut(
+        "llama3_8b",
+        4,
+        "h100_80gb",
+        train_precision="bf16",
+        train_recompute="op",
+        train_loss_chunks=8,
+        train_grad_sync="every_microbatch",
+        parallel_fsdp_reshard_after_forward="default",
+        parallel_tp=2,
+        parallel_pp=2,
+        parallel_dp=2,
+        parallel_zero_stage=3,
+        train_seq_len=8192,
+        train_num_microbatches=4,
+    )
+    est = estimate(s)
+    record, _ = trace_all(s)
+    first = record["per_rank_peak_bytes"][0]  # stage 0's rank (pp is the outermost dimension)
+    assert first == pytest.approx(est.stages[0].total_bytes, rel=0.02)
+    v, h = s.model.vocab_size, s.model.hidden_size
+    assert est.stages[0].terms["grad_reduce"] >= 4 * v * h // 2  # the whole matrix, not its half
