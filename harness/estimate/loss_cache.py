@@ -12,6 +12,7 @@ from harness.estimate.buffers import kept_head
 from harness.estimate.checkpoints import checkpointed_layers
 from harness.estimate.dtypes import elem_bytes, torch_autocast
 from harness.estimate.params import layer_expert_params, layer_params, non_layer_params
+from harness.estimate.states import torch_grads_at_peak
 from harness.spec import ModelSpec, ParallelSpec, RunSpec, TrainSpec
 
 
@@ -185,6 +186,28 @@ def recompute_working_set_segments(spec: RunSpec, stage: int, terms: dict[str, i
             best = min(fits, key=lambda i: free[i])
             free[best] -= request_size(size)
     return sum(free)
+
+
+def fsdp_embedding_grad_segment(spec: RunSpec, stage: int) -> int:
+    """Stage 0 of a pipeline under FSDP2 (ZeRO-2/3, d·c > 1) with tensor parallelism, its gradients
+    accumulated to the last micro-batch (``stage.fsdp_replicated_embedding_grad``): each micro-batch's
+    embedding backward makes the whole v·h gradient in the compute dtype (DTensor has no
+    vocabulary-sharded rule) before adding it to the accumulated FP32 one. The first micro-batch's block
+    of it is freed, then carved by the next micro-batches' activations, so the next one opens a segment
+    of its own after the allocated peak. Traced (torchtitan's stack, Llama-3-70B tp 8 × pp 4 × dp 2,
+    s 8192, 8 micro-batches, stage 0): a 2,004 MiB segment opened at the second micro-batch's embedding
+    backward, its first block holding twenty activations by then. 0 where the gradient is no larger
+    than a layer's largest tensor (its blocks hold it), or where the peak comes before the first backward
+    (both whole gradients come after it there: not traced under FSDP2)."""
+    m, p, t = spec.model, spec.parallel, spec.train
+    if stage != 0 or p.pp == 1 or p.tp == 1 or p.zero_stage < 2 or p.dp * p.cp == 1:
+        return 0
+    if torch_grads_at_peak(p, t, stage=0) != "accumulated":
+        return 0
+    whole = elem_bytes(t.precision) * m.vocab_size * m.hidden_size
+    if whole <= max(layer_tensors(m, p, t, autocast=torch_autocast(p, t))):
+        return 0
+    return block_size(whole)
 
 
 def fsdp_root_segments(spec: RunSpec, stage: int) -> int:

@@ -46,6 +46,7 @@ from harness.estimate.buffers import kept_head
 from harness.estimate.dtypes import torch_autocast
 from harness.estimate.loss_cache import (
     SWIGLU_WORKING_SET,
+    fsdp_embedding_grad_segment,
     fsdp_root_segments,
     loss_logits_segment,
     op_packing_segments,
@@ -308,7 +309,7 @@ def segment_terms(spec: RunSpec, stage: int, terms: dict[str, int]) -> dict[str,
     fb = sum(terms.get(k, 0) for k in FB_TERMS)
     step = terms.get("optimizer_step", 0) + terms.get("step_grads", 0)
     reduce = reduce_stream_segments(spec, stage)
-    root = fsdp_root_segments(spec, stage)
+    root = fsdp_root_segments(spec, stage) + fsdp_embedding_grad_segment(spec, stage)
     logits = loss_logits_segment(spec, stage)
     packing = recompute_packing_segments(spec, stage) + op_packing_segments(spec, stage)
     working = recompute_working_set_segments(spec, stage, terms)
@@ -337,6 +338,7 @@ def segment_terms_bound(spec: RunSpec, stage: int, terms: dict[str, int]) -> int
     fixed = (
         reduce_stream_segments(spec, stage)
         + fsdp_root_segments(spec, stage)
+        + fsdp_embedding_grad_segment(spec, stage)
         + loss_logits_segment(spec, stage)
         + recompute_packing_segments(spec, stage)
         + op_packing_segments(spec, stage)

@@ -9,6 +9,7 @@ from conftest import spec
 from harness.estimate import estimate
 from harness.estimate.levels import reserved_terms, reserved_upper_bound
 from harness.estimate.loss_cache import (
+    fsdp_embedding_grad_segment,
     fsdp_root_segments,
     loss_logits_segment,
     op_packing_segments,
@@ -418,3 +419,35 @@ def test_op_recomputation_packs_the_kept_tensors_into_the_previous_blocks_freed_
     a, t = 160 * MiB, 432 * MiB  # s·b·h·2 and s·b·f·2
     blocks = -(-5 * 39 // (t // a))
     assert op_packing_segments(mha, 0) == blocks * (t - 2 * a)
+
+
+def test_a_pipelines_first_stage_under_fsdp2_and_tp_opens_a_segment_for_the_whole_embedding_gradient():
+    # torchtitan's stack, Llama-3-70B tp 8 x pp 4 x dp 2, s 8192, 8 micro-batches, stage 0 traced: the
+    # second micro-batch's BF16 whole-vocabulary gradient (128,256 x 8,192 x 2 B = 2,004 MiB) opens a
+    # segment after the allocated peak (the first's block is carved by later activations)
+    base = {
+        "train_seq_len": 8192,
+        "train_num_microbatches": 8,
+        "train_precision": "bf16",
+        "parallel_zero_stage": 3,
+    }
+    s = spec("llama3_70b", "h100_94gb", parallel_tp=8, parallel_pp=4, parallel_dp=2, **base)
+    assert fsdp_embedding_grad_segment(s, 0) == 2004 * MiB
+    assert fsdp_embedding_grad_segment(s, 1) == 0
+    assert estimate(s).reserved_terms(estimate(s).stages[0])["fsdp_root"] >= 2004 * MiB
+    # not without tp (the gradient is the shard), without FSDP2 or without a pipeline
+    assert (
+        fsdp_embedding_grad_segment(spec("llama3_70b", "h100_94gb", parallel_pp=4, parallel_dp=16, **base), 0)
+        == 0
+    )
+    ddp = {**base, "parallel_zero_stage": 0}
+    assert (
+        fsdp_embedding_grad_segment(
+            spec("llama3_70b", "h100_94gb", parallel_tp=8, parallel_pp=4, parallel_dp=2, **ddp), 0
+        )
+        == 0
+    )
+    assert (
+        fsdp_embedding_grad_segment(spec("llama3_70b", "h100_94gb", parallel_tp=8, parallel_dp=8, **base), 0)
+        == 0
+    )
