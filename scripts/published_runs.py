@@ -138,12 +138,16 @@ def main() -> int:
         lines.append(
             f"- {run['name']}: {run['source']}; `{' '.join(run['overrides'])}` (config_id {r['config_id']})"
         )
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    report("\n".join(lines) + "\n", args.out)
     return 0
+
+
+def report(text: str, out: Path | None) -> None:
+    """Print a Markdown report, and write it to ``out`` too where given (its folder made)."""
+    print(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
 
 
 if __name__ == "__main__":

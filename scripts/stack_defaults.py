@@ -89,7 +89,8 @@ LAYOUTS = [
 
 
 def _published_runs():
-    """scripts/published_runs.py, for its ``harness_json`` (one subprocess call, JSON back)."""
+    """scripts/published_runs.py, for its ``harness_json`` (one subprocess call, JSON back) and
+    ``report``."""
     spec = importlib.util.spec_from_file_location("published_runs", HERE / "published_runs.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -100,7 +101,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="write the table (Markdown) there too")
     args = ap.parse_args()
-    run = _published_runs().harness_json
+    published = _published_runs()
+    run = published.harness_json
     lines = [
         "# torchtitan's default stack at paper scale: the predictions against fake traces",
         "",
@@ -134,11 +136,7 @@ def main() -> int:
             f"{cell(calibrated, res)} |"
         )
     lines += ["", "Common overrides: `" + " ".join(COMMON) + "`."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    published.report("\n".join(lines) + "\n", args.out)
     return 0
 
 

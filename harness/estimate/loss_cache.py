@@ -88,14 +88,21 @@ def recompute_packing_segments(spec: RunSpec, stage: int) -> int:
     if checkpointed_layers(m, p, t) < layers:
         return 0
     (saved,) = layer_tensors(m, p, t, autocast=torch_autocast(p, t))
-    working = swiglu_bytes(m, p, t)
-    if saved < KMIN_LARGE_ALLOC or working < KMIN_LARGE_ALLOC:
-        return 0  # blocks that share 20 MiB segments: not this mechanism
-    block, request = segment_size(working), request_size(saved)
-    k = block // request
+    block, request, k = _packed_per_block(saved, swiglu_bytes(m, p, t))
     if k == 0:
         return 0
     return (layers - 1) // k * (block - k * request)
+
+
+def _packed_per_block(kept: int, working: int) -> tuple[int, int, int]:
+    """(block, request, k) of kept tensors of ``kept`` bytes carved out of freed SwiGLU blocks of
+    ``working`` bytes: the block's segment, a kept tensor's request, and how many of them best fit puts
+    in one block. k = 0 where either shares 20 MiB segments (not this mechanism) or a kept tensor is
+    larger than the block."""
+    if kept < KMIN_LARGE_ALLOC or working < KMIN_LARGE_ALLOC:
+        return 0, 0, 0
+    block, request = segment_size(working), request_size(kept)
+    return block, request, block // request
 
 
 # Under op recomputation, the last block's freed SwiGLU blocks still whole at the loss: three freed, one
@@ -130,11 +137,8 @@ def op_packing_segments(spec: RunSpec, stage: int) -> int:
         return 0
     e = elem_bytes(t.precision)
     sb = t.seq_len * t.micro_batch_size // p.cp
-    a, v, working = e * sb * m.hidden_size, e * sb * m.kv_width, swiglu_bytes(m, p, t)
-    if a < KMIN_LARGE_ALLOC or working < KMIN_LARGE_ALLOC:
-        return 0  # blocks that share 20 MiB segments: not this mechanism
-    block, request = segment_size(working), request_size(a)
-    k = block // request
+    a, v = e * sb * m.hidden_size, e * sb * m.kv_width
+    block, request, k = _packed_per_block(a, swiglu_bytes(m, p, t))
     if k == 0:
         return 0
     n = OP_KEPT_RESIDUAL_SIZED + (1 if v >= a else 0)
