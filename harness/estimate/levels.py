@@ -26,6 +26,7 @@ RESERVED_TERMS = (
     "loss_logits",
     "recompute_packing",
     "recompute_working_set",
+    "grad_accumulation",
     "optimizer_step_segments",
     "cublas_workspace",
 )

@@ -46,6 +46,7 @@ from harness.estimate.buffers import kept_head
 from harness.estimate.dtypes import torch_autocast
 from harness.estimate.loss_cache import (
     SWIGLU_WORKING_SET,
+    accumulated_grad_segments,
     fsdp_embedding_grad_segment,
     fsdp_root_segments,
     loss_logits_segment,
@@ -313,11 +314,12 @@ def segment_terms(spec: RunSpec, stage: int, terms: dict[str, int]) -> dict[str,
     logits = loss_logits_segment(spec, stage)
     packing = recompute_packing_segments(spec, stage) + op_packing_segments(spec, stage)
     working = recompute_working_set_segments(spec, stage, terms)
+    accumulated = accumulated_grad_segments(spec, stage)
     opened = 0
     if terms.get("optimizer_step", 0):  # 0 for megatron's fused Adam, which allocates none
         cache = cached_blocks(spec, stage, terms, working_set=working > 0)
         opened = _place(cache, step_temporaries(spec, stage))
-    extra = max(0, fb + reduce + root + logits + packing + working + opened - max(fb, step))
+    extra = max(0, fb + reduce + root + logits + packing + working + accumulated + opened - max(fb, step))
     out = {}
     in_order = (
         ("reduce_stream", reduce),
@@ -325,6 +327,7 @@ def segment_terms(spec: RunSpec, stage: int, terms: dict[str, int]) -> dict[str,
         ("loss_logits", logits),
         ("recompute_packing", packing),
         ("recompute_working_set", working),
+        ("grad_accumulation", accumulated),
     )
     for name, value in in_order:
         out[name] = min(value, extra)
@@ -343,6 +346,7 @@ def segment_terms_bound(spec: RunSpec, stage: int, terms: dict[str, int]) -> int
         + recompute_packing_segments(spec, stage)
         + op_packing_segments(spec, stage)
         + recompute_working_set_segments(spec, stage, terms)
+        + accumulated_grad_segments(spec, stage)
     )
     if not terms.get("optimizer_step", 0):
         return fixed

@@ -56,13 +56,10 @@ def test_seq_granule():
 
 def test_largest_micro_batch_on_a_device_sized_for_it():
     e = {b: _total(BASE, micro_batch_size=b) for b in range(1, 9)}
-    # Linear in b from 3 on but for the segment rounding of the largest buffers (under 2 MiB a buffer):
-    # E(b) = E(3) + (b-3)·A, give or take a few MiB. Below, the root's FP32 reduce-scatter input (2,006
-    # MiB) is larger than the loss's cached FP32 blocks (1,002 MiB a sequence) and opens a segment of
-    # its own (segments.fsdp_root_segments).
-    per_sequence = e[4] - e[3]
-    assert abs(e[5] - e[4] - per_sequence) < 8 * 2**20
-    assert e[1] < e[2] < e[3]
+    # Increasing in b, though not linearly: where the accumulated FP32 gradients land in activation
+    # blocks depends on the blocks' sizes (loss_cache.accumulated_grad_segments: 0 at b 1 and 2, 3.25
+    # GiB at 3, 1 GiB at 4), which is why the search bisects rather than extrapolates.
+    assert all(e[b] < e[b + 1] for b in range(1, 8))
     # threshold · capacity halfway between E(5) and E(6): 5 fits, 6 does not -> 5
     s = _with_capacity(BASE, (e[5] + e[6]) / 2)
     solution = max_micro_batch(s, PlanOptions(gpus=8))

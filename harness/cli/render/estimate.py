@@ -15,6 +15,7 @@ SEGMENT_LABELS = (
     ("loss_logits", "the loss's cached logits"),
     ("recompute_packing", "recomputed blocks' inputs packed into freed blocks"),
     ("recompute_working_set", "recomputed blocks' working set free at the loss"),
+    ("grad_accumulation", "accumulated gradients' remainders in activation blocks"),
     ("optimizer_step_segments", "optimizer step's new segments"),
 )
 
