@@ -152,6 +152,12 @@ class Dataset:
     # which a trace does not hold); the memory outside the allocator (CUDA context, NCCL) per run
     reserved_bytes: dict[str, np.ndarray] = field(default_factory=dict)
     outside_bytes: np.ndarray | None = None
+    # engine -> the stage whose reserved level is the highest (``Estimate.reserved_worst``; under a
+    # pipeline often not the allocated worst: the last stage's loss blocks, stage 0's embedding): its
+    # peak terms, its mechanism terms, and how far below the allocated worst's peak its own lies
+    reserved_stage_terms: dict[str, pd.DataFrame] = field(default_factory=dict)
+    reserved_stage_mechanism: dict[str, np.ndarray] = field(default_factory=dict)
+    reserved_stage_below: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def measured(self) -> np.ndarray:
@@ -188,6 +194,7 @@ def prepare(frame: pd.DataFrame) -> Dataset:
     if bad:
         raise CalibrationError("cannot rebuild the spec of some runs: " + "; ".join(bad[:3]))
     terms, raw, mechanism, reserved = {}, {}, {}, {}
+    stage_terms, stage_mechanism, stage_below = {}, {}, {}
     outside = np.zeros(len(specs))
     for engine in ENGINES_COMPARED:
         ests = [estimate(s, engine=engine) for s in specs]
@@ -199,7 +206,16 @@ def prepare(frame: pd.DataFrame) -> Dataset:
             dtype=float,
         )
         outside = np.array([e.outside_allocator_bytes for e in ests], dtype=float)
-    return Dataset(runs, terms, raw, specs, mechanism, reserved, outside)
+        stage_terms[engine] = pd.DataFrame(
+            [peak_terms(e.reserved_worst.terms) for e in ests], columns=list(TERMS)
+        )
+        stage_mechanism[engine] = np.array(
+            [levels.mechanism_bytes(e, e.reserved_worst) for e in ests], dtype=float
+        )
+        stage_below[engine] = np.array([e.total_bytes - e.reserved_worst.total_bytes for e in ests], float)
+    return Dataset(
+        runs, terms, raw, specs, mechanism, reserved, outside, stage_terms, stage_mechanism, stage_below
+    )
 
 
 def groups_of(data: Dataset, group_by: str) -> np.ndarray:
@@ -312,14 +328,22 @@ def evaluate(
     predictions = {name: data.raw_bytes[name] for name in ENGINES_COMPARED}
     predictions["calibrated"] = held_out
     metrics = {name: accuracy(data, predictions[name]) for name in ESTIMATORS}
+    # The reserved level is judged at the stage where the engine's is highest, as ``estimate`` applies a
+    # profile (every stage, then the max): that stage's calibrated peak held out by the same folds
+    Xr = data.reserved_stage_terms.get(engine, X)
+    held_out_stage = np.full(len(y), np.nan)
+    for k, model in enumerate(models):
+        rows = np.flatnonzero(fold_of == k)
+        held_out_stage[rows] = model.predict(Xr.iloc[rows])
     reserved = frag.evaluate_reserved(
         data.frame,
-        X,
-        held_out,
+        Xr,
+        held_out_stage,
         measured=measured,
         groups=groups,
         capacity=data.capacity,
-        mechanism=data.mechanism.get(engine),
+        mechanism=data.reserved_stage_mechanism.get(engine, data.mechanism.get(engine)),
+        below=data.reserved_stage_below.get(engine),
         on_card=card_outcomes(data.frame),
     )
     fragmentation = None

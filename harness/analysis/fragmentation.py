@@ -158,6 +158,7 @@ def evaluate_reserved(
     groups: np.ndarray,
     capacity: np.ndarray,
     mechanism: np.ndarray | None = None,
+    below: np.ndarray | None = None,
     on_card: pd.Series | None = None,
 ) -> ReservedFit | None:
     """Fit the fragmentation on every run with a reserved peak and judge, held out by ``groups``, the
@@ -165,13 +166,18 @@ def evaluate_reserved(
     worst under-prediction, and the safe threshold recomputed at the reserved level (a run "runs out"
     there when its trace, replayed against what the card's allocator may reserve, runs out —
     ``on_card``, :func:`card_outcomes` — and, for a run without that replay, when its reserved peak
-    exceeds the capacity). None when fewer than ``MIN_RUNS`` runs have one."""
+    exceeds the capacity). None when fewer than ``MIN_RUNS`` runs have one. ``terms``, ``mechanism``
+    and ``allocated_held_out`` are of the stage the reserved level is judged at; ``below``: how far that
+    stage's peak lies below the run's (whose measured peak is the allocated worst's), per run."""
     reserved, column = reserved_target(frame)
     rows = measured & ~np.isnan(reserved)
     if column is None or rows.sum() < MIN_RUNS or len(set(groups[rows])) < 2:
         return None
     X = features(terms)
     allocated = frame["peak_allocated_bytes"].to_numpy(dtype=float)
+    share = (reserved - allocated) / reserved  # of the reserved peak above the measured one
+    if below is not None:  # the judged stage's peak: the measured one less the engine's difference
+        allocated = allocated - np.asarray(below, dtype=float)
     extra = reserved - allocated
     mech = np.zeros(len(frame)) if mechanism is None else np.asarray(mechanism, dtype=float)
     left = extra - mech  # what the allocator's rules in the estimator do not derive
@@ -192,6 +198,6 @@ def evaluate_reserved(
         "target": column,
         "runs": int(rows.sum()),
         **held_out_figures(err, util, ran_out=over, fitted=rows & ~over),
-        "median_fragmentation_share": float(np.median(extra[rows] / reserved[rows])),
+        "median_fragmentation_share": float(np.median(share[rows])),
     }
     return ReservedFit(final, column, held, metrics)

@@ -65,19 +65,38 @@ def replicated_embedding_grad(
     layers, tp 8 × pp 8, m 8): the peak is there, with both 3.91 GiB copies alive; on a real CPU run
     (tiny, tp 2 × pp 2, m 4, BF16) rank 0's measured peak equals the fake trace's. What that candidate
     adds over the forward/backward terms is put in ``grad_reduce`` (0 otherwise for torch): gradient
-    memory of backward beyond the states. Without ZeRO the data-parallel wrapper (DDP, ``replicate``)
-    gets the same whole gradient: traced on the paper grids' 70B points with d·c = 2 (Llama-3-70B,
-    tp 4 × pp 8 × cp 2, stage 0: three whole 3.91 GiB FP32 copies among the temporaries at the peak),
-    where the engine, which applied this only at d·c = 1, read 11.5 % under. The third copy is not
-    counted here (Llama-3-70B tp 4 × pp 8 with d·c = 2 stays 3.7-5.5 % under). Real CPU runs agree
+    memory of backward beyond the states. Without ZeRO under a pipeline ``replicate`` (d·c > 1) casts
+    BF16 runs' parameters: each backward's whole gradient is in the compute dtype (2·v·h in BF16), the FP32
+    one it accumulates into is made from the first and reduced into the shard after the last, gone
+    before the step; the peak is the first backward's (its BF16 whole gradient beside the FP32 one it
+    becomes, every in-flight chunk's activations but its own). Traced (``run.mode=fake``, stage 0):
+    Llama-3-70B tp 4 × pp 8 × cp 2 at 80 layers, 78.99 GiB at the first embedding backward with one
+    2,004 MiB BF16 and one 4,008 MiB FP32 whole gradient alive; Llama-3.1-405B at 8 layers, tp 8 × pp 2 ×
+    dp 2, full recomputation: the FP32 whole freed before the step's temporaries. Counted as FP32 copies
+    at the second backward and at the step before, the paper grids' 134 such stages read −2.3 % to
+    +4.2 % (the 405B's step); now −0.1 % to +0.7 %. In FP32 the whole gradient a backward makes is
+    the one it accumulates into, and the second backward's candidate above holds. Real CPU runs agree
     under pipelining (the CPU study's tp 2 × pp 2 points with d·c = 2: −0.1 to +1.0 %) but not without
     it: there (tp 2-4 × d·c 2, no pipeline) the measured peaks hold no whole copy, and counting one put
     the engine up to 9 % over, so it is left out. With ZeRO the gradient is reduce-scattered to its
     shard and nothing of this was traced. Mutates ``terms``; returns (states, buffers, step)."""
     m, p, t = spec.model, spec.parallel, spec.train
-    full = 4 * m.vocab_size * m.hidden_size
+    # each backward's whole gradient in the parameters' dtype: FP32 under autocast, the compute dtype
+    # where ``replicate`` casts them
+    full = (4 if autocast else elem_bytes(t.precision)) * m.vocab_size * m.hidden_size
     extra = replicated_embedding_extra(m, p.tp)
-    if grads == "none":
+    # ``replicate`` casting the parameters to BF16: the whole gradient each backward makes is not the
+    # FP32 one it accumulates into (in FP32 the first is the second, as without a wrapper)
+    replicate = p.pp > 1 and p.dp * p.cp > 1 and p.zero_stage <= 1 and full < 4 * m.vocab_size * m.hidden_size
+    held = 0  # the accumulated whole beyond the shard, where no other term holds it
+    if replicate:
+        # reduced into its shard by ``replicate`` after the last backward: gone before the step
+        if grads != "none":
+            terms["grad_reduce"] += extra
+            buffers += extra
+        else:
+            held = extra
+    elif grads == "none":
         terms["step_grads"] += extra
         step += extra
     else:
@@ -89,9 +108,11 @@ def replicated_embedding_grad(
     inflight, per_chunk, working = _stage0_embedding_backward(
         spec, terms, fused_norm=fused_norm, autocast=autocast
     )
-    freed = inflight - max(0, min(inflight - 1, t.num_microbatches - 2))
+    # replicate: the first backward's, its BF16 whole gradient beside the FP32 one it becomes, every
+    # in-flight chunk's activations but its own (the second backward's holds no more)
+    freed = 1 if replicate else inflight - max(0, min(inflight - 1, t.num_microbatches - 2))
     grads_made = 0 if grads != "none" else terms["step_grads"]
-    candidate = buffers + activations - working - freed * per_chunk + grads_made + full
+    candidate = buffers + activations - working - freed * per_chunk + grads_made + full + held
     more = max(0, candidate - (buffers + activations))
     terms["grad_reduce"] += more
     return states, buffers + more, step

@@ -393,13 +393,22 @@ def test_op_recomputation_packs_the_kept_tensors_into_the_previous_blocks_freed_
     # unchunked, the peak at the loss: two of the last block's three freed 448 MiB blocks still whole
     whole = spec("llama3_8b", "h100_94gb", parallel_dp=8, parallel_zero_stage=3, train_loss_chunks=1, **base)
     assert estimate(whole).reserved_terms()["recompute_working_set"] == 2 * 448 * MiB
-    # not modelled: tensor parallelism's mixed sizes, a pipeline, autocast's FP32 input (DDP / ZeRO-1)
-    assert (
-        op_packing_segments(
-            spec("llama3_8b", "h100_94gb", parallel_dp=4, parallel_tp=2, parallel_zero_stage=3, **base), 0
-        )
-        == 0
+    # tensor parallelism with SP, block by block in the forward's order (loss_cache._op_packing_in_order;
+    # traced: 56 T blocks with 32 MiB free, 1.8 GiB): per block a 224 MiB T block takes three 64 MiB
+    # tensors, another a 128 MiB partial sum and a 64, 32 MiB left in each, the 16 MiB V in some
+    tp2 = spec("llama3_8b", "h100_94gb", parallel_dp=4, parallel_tp=2, parallel_zero_stage=3, **base)
+    assert op_packing_segments(tp2, 0) == 1488 * MiB
+    no_sp = spec(
+        "llama3_8b",
+        "h100_94gb",
+        parallel_dp=4,
+        parallel_tp=2,
+        parallel_zero_stage=3,
+        parallel_sequence_parallel=False,
+        **base,
     )
+    # not modelled: tp without SP, a pipeline, autocast's FP32 input (DDP / ZeRO-1)
+    assert op_packing_segments(no_sp, 0) == 0
     assert (
         op_packing_segments(spec("llama3_8b", "h100_94gb", parallel_dp=8, parallel_zero_stage=1, **base), 0)
         == 0

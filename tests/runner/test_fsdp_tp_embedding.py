@@ -1,11 +1,13 @@
 """Under tensor parallelism and FSDP2 accumulating unsharded gradients over micro-batches, the
 embedding's gradient is the whole vocabulary matrix in FP32 (harness/estimate/stage.py
-``fsdp_replicated_embedding_grad``): traced in fake mode with CUDA's kernels at Llama-3-8B's widths."""
+``fsdp_replicated_embedding_grad``), and under ``replicate`` a whole BF16 gradient each backward
+beside the FP32 one it accumulates into (harness/estimate/peaks.py ``replicated_embedding_grad``):
+traced in fake mode with CUDA's kernels at paper widths."""
 
 from __future__ import annotations
 
 import pytest
-from conftest import cut, spec, trace_all
+from conftest import cut, in_fresh_process, spec, trace_all
 
 from harness.estimate import estimate
 from harness.estimate.params import stage_params
@@ -91,3 +93,44 @@ def test_under_a_pipeline_stage_0_accumulates_the_whole_embedding_gradient_too()
     assert first == pytest.approx(est.stages[0].total_bytes, rel=0.02)
     v, h = s.model.vocab_size, s.model.hidden_size
     assert est.stages[0].terms["grad_reduce"] >= 4 * v * h // 2  # the whole matrix, not its half
+
+
+def _stage0_peak(s) -> int:
+    from harness.runner.fake.trace import trace_rank
+
+    return trace_rank(s, 0)["peak_allocated_bytes"]
+
+
+@pytest.mark.parametrize(
+    ("model", "overrides", "traced_gib"),
+    [
+        # the peak at the first backward's embedding: a 2,004 MiB BF16 whole gradient beside the
+        # 4,008 MiB FP32 one it becomes (+6.8 % with an FP32 second copy at the second backward)
+        ("llama3_70b", {"parallel_cp": 2, "parallel_tp": 4}, 26.01),
+        # full recomputation: the peak is the step's, where the FP32 whole is gone (+10.5 % before)
+        ("llama31_405b", {"parallel_dp": 2, "parallel_tp": 8, "train_recompute": "full"}, 42.61),
+    ],
+    ids=["70b-cp2", "405b-dp2-full"],
+)
+def test_replicate_casts_the_whole_embedding_gradient_and_reduces_it_before_the_step(
+    model, overrides, traced_gib
+):
+    """Without ZeRO under a pipeline, ``replicate`` (d·c > 1) casts the parameters: stage 0's
+    embedding backward makes its whole v·h gradient in BF16, the FP32 one it accumulates into is made
+    from the first and reduced into the tp shard after the last backward (``peaks.replicated_embedding_
+    grad``). Cut to 8 blocks, pp 2, 8 micro-batches; the engine within 2 % of stage 0's traced peak."""
+    s = cut(
+        model,
+        8,
+        "h100_80gb",
+        train_precision="bf16",
+        train_seq_len=8192,
+        parallel_pp=2,
+        parallel_zero_stage=0,
+        train_num_microbatches=8,
+        train_grad_sync="last",
+        **overrides,
+    )
+    traced = in_fresh_process(_stage0_peak, s)
+    assert traced == pytest.approx(traced_gib * 2**30, rel=0.001)  # the trace this was read from
+    assert estimate(s).stages[0].total_bytes == pytest.approx(traced, rel=0.02)

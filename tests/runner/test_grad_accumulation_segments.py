@@ -85,6 +85,7 @@ def test_ddp_no_sync_gradients_leave_the_remainders_of_the_activation_blocks_the
     assert _term(every) == 0
 
 
+@pytest.mark.slow  # two traces of 8 and 16 blocks, about 20 s
 def test_fsdp2_unsharded_gradients_per_block_under_full_recomputation():
     """Llama-3-70B, tp 8 × dp 8, ZeRO-3 accumulating unsharded FP32 gradients, full recomputation, 3
     micro-batches. The engine: two of a block's three 112 MiB SwiGLU gradients split its two
