@@ -11,7 +11,8 @@ caching-allocator model, harness/alloc) or, on CUDA, the measured one. The predi
   mechanism terms of harness/estimate/segments.py; the cuBLAS workspace, which a trace lacks, left out);
 - ``calibrated reserved``: the calibrated allocated peak plus those mechanism terms plus the fitted
   fragmentation (harness/analysis/fragmentation.py), every run predicted by fits that never saw its
-  group.
+  group, at the stage where the engine's reserved level is highest (``Estimate.reserved_worst``: under
+  a pipeline often not the allocated worst), as ``estimate`` applies a profile.
 
 Utilisation, as ``estimate`` prints it: the predicted level plus what lives outside the allocator (CUDA
 context, NCCL), over the card's memory.

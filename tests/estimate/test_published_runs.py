@@ -29,7 +29,7 @@ def test_the_engine_reserved_level_against_a_published_run(run):
     row = PUBLISHED.measure(run, trace=False)
     published = run["published_gib"] * GIB
     # recorded 2026-12-07: engine -1.6 % and +0.3 % (-4.7 % and -3.5 % before op recomputation's
-    # packing and working set), calibrated +1.0 % and +3.1 % (the default profile, fitted on the H100
+    # packing and working set), calibrated +0.9 % and +3.1 % (the default profile, fitted on the H100
     # grid's points without recomputation, adds its fragmentation on top: on the safe side). It was
     # +0.6 % and +2.5 % before the accumulated gradients' remainders (a term these runs, reduced after
     # every micro-batch, lack) left the profile's fit: its constant went from 713 to 1,196 MiB.
