@@ -136,14 +136,21 @@ def test_autocast_boundary_buffers_are_fp32():
 def test_without_zero_the_data_parallel_wrapper_keeps_the_whole_embedding_gradient():
     """Stage 0 under tp with data or context parallelism and no ZeRO: the embedding's gradient is the
     whole v·h FP32 matrix on every tp rank, as at d·c = 1 (traced on Llama-3-70B, tp 4 × pp 8 × cp 2:
-    the engine read 11.5 % under without it); with ZeRO-1 the engine adds nothing, nor without a
-    pipeline (real CPU runs, tp 2-4 × d·c 2: no whole copy; counting it put the engine 9 % over)."""
+    the engine read 11.5 % under without it). At d·c = 1 it is ``.grad`` until the step; under
+    ``replicate`` (BF16 parameters) it is reduced into the shard after the last backward, so it is a
+    forward/backward term (``grad_reduce``), not a gradient at the step (traced on Llama-3.1-405B,
+    tp 8 × pp 2 × dp 2 at 8 blocks: freed before the step's temporaries; peaks.replicated_embedding_grad).
+    With ZeRO-1 the engine adds nothing, nor without a pipeline (real CPU runs, tp 2-4 × d·c 2: no
+    whole copy; counting it put the engine 9 % over)."""
     base = dict(
         train_seq_len=8192, train_micro_batch_size=1, train_num_microbatches=8, train_precision="bf16"
     )
 
+    def terms(model, **kw):
+        return estimate(spec(model, **base, **kw)).stages[0].terms
+
     def grads(model, **kw):
-        t = estimate(spec(model, **base, **kw)).stages[0].terms
+        t = terms(model, **kw)
         return t["grads"] + t["step_grads"]
 
     s = spec("llama3_70b", parallel_tp=4, parallel_pp=8, **base)
@@ -151,12 +158,13 @@ def test_without_zero_the_data_parallel_wrapper_keeps_the_whole_embedding_gradie
     v, h = s.model.vocab_size, s.model.hidden_size
     whole = 4 * v * h - 4 * (v * h // 4)
     assert grads("llama3_70b", parallel_tp=4, parallel_pp=8) == 4 * n + whole
-    assert grads("llama3_70b", parallel_tp=4, parallel_pp=8, parallel_cp=2) == 4 * n + whole
-    assert grads("llama3_70b", parallel_tp=4, parallel_pp=8, parallel_dp=2) == 4 * n + whole
+    for wrapped in ({"parallel_cp": 2}, {"parallel_dp": 2}):
+        assert grads("llama3_70b", parallel_tp=4, parallel_pp=8, **wrapped) == 4 * n
+        assert terms("llama3_70b", parallel_tp=4, parallel_pp=8, **wrapped)["grad_reduce"] >= whole
     e = spec("llama3_8b").model
     whole_8b = 4 * e.vocab_size * e.hidden_size - 4 * (e.vocab_size * e.hidden_size // 2)
-    zero0 = grads("llama3_8b", parallel_tp=2, parallel_pp=2, parallel_dp=2, parallel_zero_stage=0)
-    zero1 = grads("llama3_8b", parallel_tp=2, parallel_pp=2, parallel_dp=2, parallel_zero_stage=1)
-    assert zero0 - zero1 == whole_8b
+    zero0 = terms("llama3_8b", parallel_tp=2, parallel_pp=2, parallel_dp=2, parallel_zero_stage=0)
+    zero1 = terms("llama3_8b", parallel_tp=2, parallel_pp=2, parallel_dp=2, parallel_zero_stage=1)
+    assert zero0["grad_reduce"] - zero1["grad_reduce"] >= whole_8b
     no_pipeline = grads("llama3_8b", parallel_tp=2, parallel_dp=2, parallel_zero_stage=0)
     assert no_pipeline == grads("llama3_8b", parallel_tp=2, parallel_dp=2, parallel_zero_stage=1)
