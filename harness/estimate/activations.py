@@ -128,34 +128,38 @@ def layer_activation_bytes(
 
 def op_layer_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast: bool = False) -> int:
     """A layer under torchtitan's op-level policy (``harness/runner/parallel/recompute.py``): the
-    block's input, which the checkpoint keeps, and the outputs of the ops on the save list — the 1st,
-    3rd, 5th and 7th of the block's 7 matmuls (wq, wv, w1, w2; wk, wo and w3 are every second one,
-    recomputed), the fused attention kernel's output (the math kernel is not one op: its matmuls and
-    softmax are recomputed) and, with sequence parallelism, the two reduce-scatters' outputs.
-
-    Sharding: the input as the residual stream (:func:`layer_input_bytes`); column-parallel outputs
-    and the attention output by t·c; w2's output is the row-parallel matmul's un-reduced partial sum,
-    full width on every tp rank, by c only. In elements, for t = c = 1: sbh·(3 + k/a) + sbf (+ sbh for
-    the flash output); measured on one ``tiny`` block (s 512, b 4, FP32): 7.28 sbh kept, against
+    block's input, which the checkpoint keeps, and the outputs of the ops on the save list
+    (:func:`op_kept_elements`). In elements, for t = c = 1: sbh·(3 + k/a) + sbf (+ sbh for the flash
+    output); measured on one ``tiny`` block (s 512, b 4, FP32): 7.28 sbh kept, against
     1 + 1 + 0.5 + 1 + 2.75 + 1 = 7.25 plus the log-sum-exp."""
+    moe = moe_op_bytes(m, p, t) if m.moe else 0  # the MLP's matmuls are the router's and the experts'
+    return (
+        layer_input_bytes(m, p, t, autocast=autocast)
+        + elem_bytes(t.precision) * sum(op_kept_elements(m, p, t))
+        + moe
+    )
+
+
+def op_kept_elements(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> tuple[int, ...]:
+    """The outputs of the ops on torchtitan's op save list (elements, one rank), in the order a block's
+    forward makes them: the 1st, 3rd, 5th and 7th of the block's 7 matmuls (wq, wv, w1, w2; wk, wo
+    and w3 are every second one, recomputed), the fused attention kernel's output (the math kernel is
+    not one op: its matmuls and softmax are recomputed) and, with sequence parallelism, the two
+    reduce-scatters' outputs: wq, wv, attention, [reduce-scatter], w1, w2, [reduce-scatter]. The
+    block's input, which the checkpoint keeps, is :func:`layer_input_bytes`.
+
+    Sharding: column-parallel outputs and the attention output by t·c; w2's output is the
+    row-parallel matmul's un-reduced partial sum, full width on every tp rank, by c only. Under a
+    mixture of experts w1's and w2's are the experts' (harness/estimate/moe.py), 0 here."""
     s, b, h, f = t.seq_len, t.micro_batch_size, m.hidden_size, m.ffn_hidden_size
     sbh = s * b * h
     tc = p.tp * p.cp
-    sp = p.sequence_parallel and p.tp > 1
     q = s * b * m.q_width // tc
     v = s * b * m.kv_width // tc
     attention = s * b * m.q_width // tc if t.attention == "flash" else 0
-    gate = s * b * f // tc
-    down = sbh // p.cp
-    reduce_scatter = 2 * sbh // tc if sp else 0
-    moe = 0
-    if m.moe:  # the MLP's matmuls are the router's and the experts' (harness/estimate/moe.py)
-        gate, down, moe = 0, 0, moe_op_bytes(m, p, t)
-    return (
-        layer_input_bytes(m, p, t, autocast=autocast)
-        + elem_bytes(t.precision) * (q + v + attention + gate + down + reduce_scatter)
-        + moe
-    )
+    gate, down = (0, 0) if m.moe else (s * b * f // tc, sbh // p.cp)
+    reduce_scatter = (sbh // tc,) if p.sequence_parallel and p.tp > 1 else ()
+    return (q, v, attention, *reduce_scatter, gate, down, *reduce_scatter)
 
 
 def layer_input_bytes(m: ModelSpec, p: ParallelSpec, t: TrainSpec, *, autocast: bool = False) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from functools import lru_cache
 
-from harness.estimate.activations import vocab_shards
+from harness.estimate.activations import layer_input_bytes, op_kept_elements, vocab_shards
 from harness.estimate.blocks import (
     KMIN_LARGE_ALLOC,
     KSMALL_SIZE,
@@ -164,19 +164,11 @@ def op_packing_segments(spec: RunSpec, stage: int) -> int:
 
 
 def op_kept_in_order(m: ModelSpec, p: ParallelSpec, t: TrainSpec) -> tuple[int, ...]:
-    """The tensors a block keeps under op recomputation with tensor and sequence parallelism
-    (``activations.op_layer_bytes``), in the order its forward allocates them: wq's and wv's outputs
-    and the attention kernel's (column-sharded, by t·c), the attention's reduce-scatter output
-    (sequence-sharded, s·b·h/(t·c)), w1's output (T), w2's un-reduced partial sum (full width,
-    s·b·h/c), the MLP's reduce-scatter output, and the block's output, which the next checkpoint keeps
-    as its input (sequence-sharded). Those under 10 MiB share 20 MiB segments and are left out."""
-    e, sb = elem_bytes(t.precision), t.seq_len * t.micro_batch_size
-    q = e * sb * m.q_width // (p.tp * p.cp)
-    v = e * sb * m.kv_width // (p.tp * p.cp)
-    attention = q if t.attention == "flash" else 0
-    sharded = e * sb * m.hidden_size // (p.tp * p.cp)
-    down = e * sb * m.hidden_size // p.cp
-    order = (q, v, attention, sharded, swiglu_bytes(m, p, t), down, sharded, sharded)
+    """The tensors a block keeps under op recomputation (bytes), in the order its forward allocates
+    them: the save list's outputs (``activations.op_kept_elements``), then the block's output, which
+    the next checkpoint keeps as its input. Those under 10 MiB share 20 MiB segments and are left out."""
+    e = elem_bytes(t.precision)
+    order = (*(e * n for n in op_kept_elements(m, p, t)), layer_input_bytes(m, p, t))
     return tuple(n for n in order if n >= KMIN_LARGE_ALLOC)
 
 
