@@ -27,6 +27,8 @@ RESERVED_TERMS = (
     "recompute_packing",
     "recompute_working_set",
     "grad_accumulation",
+    "embedding_grad",
+    "first_backward",
     "optimizer_step_segments",
     "cublas_workspace",
 )

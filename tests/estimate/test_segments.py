@@ -16,7 +16,8 @@ from harness.estimate.loss_cache import (
     recompute_packing_segments,
     recompute_working_set_segments,
 )
-from harness.estimate.segments import _place, reduce_stream_segments, segment_terms
+from harness.estimate.placement import place
+from harness.estimate.segments import reduce_stream_segments, segment_terms
 
 MiB = 1 << 20
 BF16_PP = {
@@ -286,15 +287,13 @@ def test_gradients_freed_before_the_step_hold_its_temporaries():
 
 def test_place_applies_best_fit_and_the_split_rule():
     blocks = ((30 * MiB, 1), (100 * MiB, 1))
-    assert _place(blocks, ((25 * MiB, 1),)) == 0  # best fit: the 30 MiB block, not the 100 MiB one
-    assert _place(blocks, ((25 * MiB, 2), (4 * MiB, 1))) == 0  # the 100 MiB block split; 5 MiB remainders
-    assert _place(blocks, ((120 * MiB + 1, 1),)) == 122 * MiB  # no block fits: a segment rounded to 2 MiB
-    assert (
-        _place(blocks, ((5 * MiB, 8),)) == 0
-    )  # the 30 MiB block holds six, split by split; 100 MiB the rest
-    assert _place((), ((3 * MiB, 2),)) == 20 * MiB  # below 10 MiB: one 20 MiB segment, shared
-    assert _place((), ((12 * MiB, 3),)) == 3 * 12 * MiB  # 10 MiB and above: a segment each
-    assert _place((), ((512 * 1024, 4),)) == 0  # the small pool is not this cache
+    assert place(blocks, ((25 * MiB, 1),)) == 0  # best fit: the 30 MiB block, not the 100 MiB one
+    assert place(blocks, ((25 * MiB, 2), (4 * MiB, 1))) == 0  # the 100 MiB block split; 5 MiB remainders
+    assert place(blocks, ((120 * MiB + 1, 1),)) == 122 * MiB  # no block fits: a segment rounded to 2 MiB
+    assert place(blocks, ((5 * MiB, 8),)) == 0  # the 30 MiB block holds six, split by split; 100 MiB the rest
+    assert place((), ((3 * MiB, 2),)) == 20 * MiB  # below 10 MiB: one 20 MiB segment, shared
+    assert place((), ((12 * MiB, 3),)) == 3 * 12 * MiB  # 10 MiB and above: a segment each
+    assert place((), ((512 * 1024, 4),)) == 0  # the small pool is not this cache
 
 
 def test_mechanism_terms_only_for_the_torch_engine_on_a_gpu():

@@ -16,6 +16,8 @@ SEGMENT_LABELS = (
     ("recompute_packing", "recomputed blocks' inputs packed into freed blocks"),
     ("recompute_working_set", "recomputed blocks' working set free at the loss"),
     ("grad_accumulation", "accumulated gradients' remainders in activation blocks"),
+    ("embedding_grad", "stage 0's whole embedding gradients"),
+    ("first_backward", "first backward's gradients beside freed activations"),
     ("optimizer_step_segments", "optimizer step's new segments"),
 )
 
