@@ -33,6 +33,10 @@ CACHED_BUFFERS = (
 )
 
 
+# Buffers that are one block each (``pp_p2p`` is every in-flight micro-batch's, several blocks).
+ONE_BLOCK_BUFFERS = ("logits", "loss", "fsdp_allgather", "tp_allgather", "cp_kv_allgather")
+
+
 def whole_embedding_grad(spec: RunSpec, stage: int) -> int:
     """Bytes of the whole embedding gradient each backward of stage 0 makes and frees after adding it
     to the accumulated one, where nothing wraps the stage (d·c = 1, pipelined, m > 1); else 0."""
@@ -47,11 +51,13 @@ def embedding_grad_segments(spec: RunSpec, stage: int, terms: dict[str, int]) ->
     whole embedding gradients (``peaks.replicated_embedding_grad``: v·h on every tp rank, in the
     parameters' dtype). The first backward's becomes ``.grad`` and stays to the step; each later
     backward makes a new one, adds it and frees it, and its block serves the next. Both come after the
-    forward/backward cache was built, whose blocks are a layer's tensors and the buffers: where the
-    gradient is larger than every one, each opens a segment of its own (two; one where the peak holds
-    the accumulated one, ``grads``). The free one takes step temporaries (``segments.cached_blocks``).
-    Traced (``run.mode=fake``, stage 0, 8 micro-batches): Llama-3-70B tp 8 × pp 8, two 4,008 MiB
-    segments, the replayed reserved level 92.73 → 100.55 GiB. Where a later forward or backward carves
+    forward/backward cache was built, whose blocks are a layer's tensors and the buffers (``pp_p2p``
+    is several blocks, each smaller): where the gradient is larger than every one, each opens a
+    segment of its own (two; one where the peak holds the accumulated one, ``grads``). The free one
+    takes step temporaries (``segments.cached_blocks``). Traced (``run.mode=fake``, stage 0, 8
+    micro-batches): Llama-3-70B tp 8 × pp 8, two 4,008 MiB segments, the replayed reserved level
+    92.73 → 100.55 GiB; Llama-2-13B tp 4 × pp 2 interleaved (v 2), three 625 MiB segments (the term
+    one beyond the accumulated one its peak holds). Where a later forward or backward carves
     the free block (1F1B's steady state, gradients larger than the freed activations), the next
     backward opens a third or more: not counted. Nor what the second backward's candidate already
     holds (``grad_reduce``)."""
@@ -60,7 +66,7 @@ def embedding_grad_segments(spec: RunSpec, stage: int, terms: dict[str, int]) ->
         return 0
     m, p, t = spec.model, spec.parallel, spec.train
     largest = max(layer_tensors(m, p, t, autocast=torch_autocast(p, t)))
-    if made <= max(largest, *(terms.get(k, 0) for k in CACHED_BUFFERS)):
+    if made <= max(largest, *(terms.get(k, 0) for k in ONE_BLOCK_BUFFERS)):
         return 0
     opened = 1 + (torch_grads_at_peak(p, t, stage=stage) == "none")
     return max(0, opened * block_size(made) - terms.get("grad_reduce", 0))
