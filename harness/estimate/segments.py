@@ -148,10 +148,10 @@ def cached_blocks(spec: RunSpec, stage: int, terms: dict[str, int], *, working_s
     layer = layer_blocks(m, p.tp, p.cp, p.sequence_parallel, autocast, t)
     covered, chunk = recomputed_layers(m, p, t), m.num_layers // (p.pp * p.virtual_stages)
     if t.recompute == "full" and 0 < covered < chunk:  # every N-th block: the others keep everything
-        whole = layer_blocks(
+        full = layer_blocks(
             m, p.tp, p.cp, p.sequence_parallel, autocast, dataclasses.replace(t, recompute="none")
         )
-        layer = _chunk_of(layer, covered, whole, chunk - covered)
+        layer = _chunk_of(layer, covered, full, chunk - covered)
     copies = round(terms.get("activations", 0) / max(1, layer[2]))
     whole = parameter_tensors(m, p.tp, p.pp, stage, 1, 0, p.ep)
     sets = 0  # compute-dtype copies: one per parameter tensor, as many sets as the term holds
@@ -161,10 +161,10 @@ def cached_blocks(spec: RunSpec, stage: int, terms: dict[str, int], *, working_s
     if working_set:
         buffers += (swiglu_bytes(m, p, t),) * SWIGLU_WORKING_SET
     cache = _blocks(layer, copies, buffers, whole, grads_freed_before_step(p, t, stage), sets)
+    # stage 0's whole embedding gradient each backward makes, where no cached block held it: its
+    # segment is free at the step (``embedding_grad_segments``)
     made = whole_embedding_grad(spec, stage)
-    if made and (
-        not cache or made > cache[-1][0]
-    ):  # its segment, free at the step (``embedding_grad_segments``)
+    if made and (not cache or made > cache[-1][0]):
         cache = counts({**dict(cache), block_size(made): dict(cache).get(block_size(made), 0) + 1})
     return cache
 
