@@ -82,12 +82,14 @@ def compose_scaled(overrides: Sequence[str]) -> dict:
     return cfg
 
 
-# The committed profile a GPU preset gets by default (issue 32 item 4): fitted on the 300 fake-traced
-# points of the paper's H100 grid (7B-70B, BF16), its fragmentation on top of the estimator's
-# mechanism terms. Fake traces do not depend on the card, so it applies to every GPU preset; its
-# learned safe threshold only to h100_94gb (output_settings). Found beside the package (a checkout or an
-# editable install); elsewhere there is none, and a note says so.
-DEFAULT_GPU_PROFILE = "results/paper_fake/h100_94gb/calibration.json"
+# The committed profile a GPU preset gets by default (issue 32 items 2 and 4): fitted on the 870
+# fake-traced points of the paper's H100 and A100 grids and the extended grid (7B-405B, BF16; every
+# recomputation policy, FSDP2, interleaving, context parallelism; A100, H100 and H200 capacities),
+# its fragmentation on top of the estimator's mechanism terms, judged held out by layout family and
+# by model (docs/studies/paper_fake.md). Fake traces do not depend on the card, so it applies to every
+# GPU preset; its learned safe threshold only to the cards it was fitted on (output_settings). Found
+# beside the package (a checkout or an editable install); elsewhere there is none, and a note says so.
+DEFAULT_GPU_PROFILE = "results/paper_fake/all/calibration.json"
 OFF = ("none", "null", "off", "false")
 
 
@@ -133,8 +135,8 @@ def profile_of_config(cfg: dict):
             outside.append("a mixture of experts")
         warn_once(
             f"note: calibration={DEFAULT_GPU_PROFILE} (the default for GPU presets: fitted on "
-            f"{seen.get('count')} fake-traced points of the paper's grid, {low / 1e9:.1f}-{high / 1e9:.1f} B "
-            "parameters, BF16; calibration=none turns it off)"
+            f"{seen.get('count')} fake-traced points of the paper's grids, "
+            f"{low / 1e9:.1f}-{high / 1e9:.1f} B parameters, BF16; calibration=none turns it off)"
             + (f"; applied outside that: {', '.join(outside)}" if outside else "")
         )
         return dataclasses.replace(profile, path=DEFAULT_GPU_PROFILE)
