@@ -150,13 +150,19 @@ def compose_spec(overrides):
 
 
 def estimate_levels(spec) -> dict[str, Any]:
-    """The estimate's three levels (engine torch) and the other engines' allocated totals, in bytes."""
+    """The estimate's three levels (engine torch), the reserved level with the GPU presets' default
+    calibration profile (what ``estimate`` prints by default; issue 32 item 7) and the other engines'
+    allocated totals, in bytes."""
+    from harness.analysis.profile import load_profile
+    from harness.cli.shared import DEFAULT_GPU_PROFILE
     from harness.estimate import estimate
 
     est = estimate(spec, engine="torch")
+    profile = load_profile(Path(__file__).resolve().parents[1] / DEFAULT_GPU_PROFILE)
     return {
         "allocated_bytes": est.total_bytes,
         "reserved_bytes": est.reserved_total_bytes,
+        "calibrated_reserved_bytes": profile.reserved_bytes(est),
         "device_bytes": est.device_total_bytes,
         "capacity_bytes": est.capacity_bytes,
         "fits": est.device_total_bytes <= est.capacity_bytes,
@@ -362,9 +368,10 @@ def compare(point: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
             "fake_bytes": fake.get(fake_key) if fake_key else None,
         }
         if level == "reserved":
+            entry["calibrated_bytes"] = est.get("calibrated_reserved_bytes")
             entry["replay_bytes"] = replayed
             entry["replay_exact"] = None if not measured or replayed is None else replayed == measured
-        for key in ("estimate", "fake", "replay"):
+        for key in ("estimate", "calibrated", "fake", "replay"):
             value = entry.get(f"{key}_bytes")
             if measured and value is not None:
                 entry[f"{key}_error"] = (value - measured) / measured
@@ -404,7 +411,7 @@ def _gib(x) -> str:
 def table(results: dict[str, Any]) -> str:
     """The short table printed last: one line per point."""
     head = (
-        f"{'point':<22} {'status':<16} {'alloc meas/est':>15} {'reserved meas/replay/est':>25} "
+        f"{'point':<22} {'status':<16} {'alloc meas/est':>15} {'reserved meas/replay/est/cal':>31} "
         f"{'device meas/est':>16} {'s':>5}"
     )
     lines = [head, "-" * len(head)]
@@ -416,11 +423,14 @@ def table(results: dict[str, Any]) -> str:
             f"{r['name']:<22} {status:<16} "
             f"{_gib(a.get('measured_bytes')):>7}/{_gib(a.get('estimate_bytes')):<7} "
             f"{_gib(v.get('measured_bytes')):>8}/{_gib(v.get('replay_bytes'))}/"
-            f"{_gib(v.get('estimate_bytes')):<7} "
+            f"{_gib(v.get('estimate_bytes'))}/{_gib(v.get('calibrated_bytes')):<7} "
             f"{_gib(d.get('measured_bytes')):>7}/{_gib(d.get('estimate_bytes')):<8} "
             f"{r.get('elapsed_s', 0):>5.0f}"
         )
-    lines.append("(GiB = 2^30 B; est: engine torch, allocated / reserved / device levels)")
+    lines.append(
+        "(GiB = 2^30 B; est: engine torch, allocated / reserved / device levels; cal: reserved with the"
+        " GPU presets' default profile)"
+    )
     return "\n".join(lines)
 
 

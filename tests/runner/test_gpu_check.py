@@ -127,7 +127,15 @@ def test_device_run_keeps_limits_deadline_and_writes_after_each_item(tmp_path, c
 
 def test_compare_puts_the_levels_side_by_side():
     gc = _gpu_check()
-    point = {"estimate": {"allocated_bytes": 90, "reserved_bytes": 110, "device_bytes": 150}, "fake": {}}
+    point = {
+        "estimate": {
+            "allocated_bytes": 90,
+            "reserved_bytes": 110,
+            "calibrated_reserved_bytes": 126,
+            "device_bytes": 150,
+        },
+        "fake": {},
+    }
     record = {
         "peak_allocated_bytes": 100,
         "peak_reserved_bytes": 120,
@@ -138,6 +146,7 @@ def test_compare_puts_the_levels_side_by_side():
     assert c["allocated"]["estimate_error"] == pytest.approx(-0.10)  # (90 - 100) / 100
     assert c["reserved"]["replay_exact"] is True and c["reserved"]["replay_error"] == 0
     assert c["reserved"]["estimate_error"] == pytest.approx(-10 / 120)
+    assert c["reserved"]["calibrated_error"] == pytest.approx(6 / 120)  # the default profile's level
     assert c["device"]["estimate_error"] == pytest.approx(-10 / 160)
     assert "fake_error" not in c["allocated"]  # no fake peak given
 
