@@ -20,7 +20,8 @@ from harness.estimate.placement import counts, fp32, layer_blocks, parameter_ten
 from harness.estimate.states import torch_grads_at_peak
 from harness.spec import RunSpec
 
-# Temporary buffers of the forward/backward peak, one block each (the terms of harness.estimate.stage).
+# Temporary buffers of the forward/backward peak (the terms of harness.estimate.stage), each taken as
+# one cached block by the step's placement (``segments.cached_blocks``; ``pp_p2p`` is in truth several).
 CACHED_BUFFERS = (
     "token_ids",
     "output_activations",
@@ -31,7 +32,6 @@ CACHED_BUFFERS = (
     "pp_p2p",
     "cp_kv_allgather",
 )
-
 
 # Buffers that are one block each (``pp_p2p`` is every in-flight micro-batch's, several blocks).
 ONE_BLOCK_BUFFERS = ("logits", "loss", "fsdp_allgather", "tp_allgather", "cp_kv_allgather")
