@@ -231,47 +231,46 @@ def step_temporaries(spec: RunSpec, stage: int) -> Counts:
 FB_TERMS = ("activations", *CACHED_BUFFERS, "param_copies", "grad_reduce")
 
 
+def mechanism_terms(spec: RunSpec, stage: int, terms: dict[str, int]) -> tuple[tuple[str, int], ...]:
+    """The mechanism terms fixed before the optimizer step, (name, bytes) in the order
+    :func:`segment_terms` adds them: the gradient-reduction stream's segments
+    (:func:`reduce_stream_segments`), FSDP2's root unit and embedding gradient
+    (:func:`fsdp_root_segments`), the loss's cached logits (:func:`loss_logits_segment`),
+    recomputation's packing and working set, the accumulated gradients' remainders, stage 0's whole
+    embedding gradients and a pipeline's first backward (:mod:`harness.estimate.backward_cache`)."""
+    return (
+        ("reduce_stream", reduce_stream_segments(spec, stage)),
+        ("fsdp_root", fsdp_root_segments(spec, stage) + fsdp_embedding_grad_segment(spec, stage)),
+        ("loss_logits", loss_logits_segment(spec, stage)),
+        ("recompute_packing", recompute_packing_segments(spec, stage) + op_packing_segments(spec, stage)),
+        ("recompute_working_set", recompute_working_set_segments(spec, stage, terms)),
+        ("grad_accumulation", accumulated_grad_segments(spec, stage)),
+        ("embedding_grad", embedding_grad_segments(spec, stage, terms)),
+        ("first_backward", first_backward_segments(spec, stage, terms)),
+    )
+
+
 def segment_terms(spec: RunSpec, stage: int, terms: dict[str, int]) -> dict[str, int]:
     """The reserved level's mechanism terms for one stage of the ``torch`` engine on a GPU (bytes). The
     reserved level they make is
 
-        max(allocated peak, states + forward/backward terms + reduce stream + FSDP2's root
-            + the loss's logits + step's new segments)
+        max(allocated peak, states + forward/backward terms + :func:`mechanism_terms`
+            + step's new segments)
 
-    the cache the forward/backward peak leaves on the compute stream, the gradient-reduction stream's
-    segments (:func:`reduce_stream_segments`), the root unit's cached blocks under FSDP2
-    (:func:`fsdp_root_segments`), the loss's cached compute-dtype logits (:func:`loss_logits_segment`)
+    the cache the forward/backward peak leaves on the compute stream, the terms fixed before the step,
     and the segments the optimizer step's temporaries open beyond that cache (:func:`cached_blocks`,
-    :func:`step_temporaries`); added to the allocated peak as ``reduce_stream`` first, then
-    ``fsdp_root``, ``loss_logits``, the rest as ``optimizer_step_segments``, so that they sum to the
-    difference."""
+    :func:`step_temporaries`); added to the allocated peak in :func:`mechanism_terms`' order, the rest
+    as ``optimizer_step_segments``, so that they sum to the difference."""
     fb = sum(terms.get(k, 0) for k in FB_TERMS)
     step = terms.get("optimizer_step", 0) + terms.get("step_grads", 0)
-    reduce = reduce_stream_segments(spec, stage)
-    root = fsdp_root_segments(spec, stage) + fsdp_embedding_grad_segment(spec, stage)
-    logits = loss_logits_segment(spec, stage)
-    packing = recompute_packing_segments(spec, stage) + op_packing_segments(spec, stage)
-    working = recompute_working_set_segments(spec, stage, terms)
-    accumulated = accumulated_grad_segments(spec, stage)
-    embedding = embedding_grad_segments(spec, stage, terms)
-    first = first_backward_segments(spec, stage, terms)
+    in_order = mechanism_terms(spec, stage, terms)
     opened = 0
     if terms.get("optimizer_step", 0):  # 0 for megatron's fused Adam, which allocates none
+        working = dict(in_order)["recompute_working_set"]
         cache = cached_blocks(spec, stage, terms, working_set=working > 0)
         opened = place(cache, step_temporaries(spec, stage))
-    extra = fb + reduce + root + logits + packing + working + accumulated + embedding + first + opened
-    extra = max(0, extra - max(fb, step))
+    extra = max(0, fb + sum(v for _, v in in_order) + opened - max(fb, step))
     out = {}
-    in_order = (
-        ("reduce_stream", reduce),
-        ("fsdp_root", root),
-        ("loss_logits", logits),
-        ("recompute_packing", packing),
-        ("recompute_working_set", working),
-        ("grad_accumulation", accumulated),
-        ("embedding_grad", embedding),
-        ("first_backward", first),
-    )
     for name, value in in_order:
         out[name] = min(value, extra)
         extra -= out[name]
@@ -279,20 +278,9 @@ def segment_terms(spec: RunSpec, stage: int, terms: dict[str, int]) -> dict[str,
 
 
 def segment_terms_bound(spec: RunSpec, stage: int, terms: dict[str, int]) -> int:
-    """An upper bound of the sum of :func:`segment_terms`: the reduce stream's and FSDP2's root segments
-    plus a segment of its own for every temporary of the optimizer step (at most 20 MiB above it)."""
-    fixed = (
-        reduce_stream_segments(spec, stage)
-        + fsdp_root_segments(spec, stage)
-        + fsdp_embedding_grad_segment(spec, stage)
-        + loss_logits_segment(spec, stage)
-        + recompute_packing_segments(spec, stage)
-        + op_packing_segments(spec, stage)
-        + recompute_working_set_segments(spec, stage, terms)
-        + accumulated_grad_segments(spec, stage)
-        + embedding_grad_segments(spec, stage, terms)
-        + first_backward_segments(spec, stage, terms)
-    )
+    """An upper bound of the sum of :func:`segment_terms`: :func:`mechanism_terms` plus a segment of its
+    own for every temporary of the optimizer step (at most 20 MiB above it)."""
+    fixed = sum(v for _, v in mechanism_terms(spec, stage, terms))
     if not terms.get("optimizer_step", 0):
         return fixed
     # (from the temporaries, not the optimizer_step term: ZeRO-1 rounds its share up by whole tensors)
